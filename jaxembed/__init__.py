@@ -1,0 +1,54 @@
+"""jaxembed: linear-time, constant-memory text embeddings from recurrent language models.
+
+    import jaxembed
+    model = jaxembed.load("path/to/mamba2")          # converted or Hugging Face directory
+    q = model.encode_query(["how do I sort a list"], instruction="Retrieve code for the query")
+    d = model.encode_document(["sorted(xs) returns a new sorted list"])
+    model.similarity(q, d)
+
+`jaxembed.embed(params, config, ids, lengths, vertical_chunk_size=V)` is the pure,
+jit-compatible function underneath.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxembed.config import Mamba2Config
+from jaxembed.embedder import QUERY_TEMPLATE, Embedder, load_tokenizer
+from jaxembed.schedule import embed, forward
+
+__version__ = "0.1.0"
+
+
+def load(path, *, dtype=None, tokenizer=None, chunk_size=None, query_template=None, default_instruction=None,
+         max_tokens_per_batch=None) -> Embedder:
+    """An `Embedder` from a converted directory (`jaxembed convert`) or a Hugging Face-format
+    directory or hub id (transformers, mamba_ssm or Codestral layout, converted in memory).
+
+    dtype: None (as stored), "float32" or "bfloat16" weights and activations; states and
+    decays stay float32. tokenizer: a path, hub id or tokenizer object (default: the one in
+    the directory). chunk_size: the intra-layer chunk size Q (default: the model's).
+    """
+    from jaxembed import checkpoint
+    from jaxembed.convert import read_checkpoint
+
+    directory = Path(path).expanduser()
+    if directory.is_dir() and checkpoint.is_converted(directory):
+        config, params, settings = checkpoint.load(directory)
+    else:
+        ck = read_checkpoint(path)
+        config, params, settings, directory = ck.config, ck.params, {}, ck.directory
+    return Embedder(
+        params,
+        config,
+        tokenizer=load_tokenizer(tokenizer, directory),
+        dtype=dtype,
+        chunk_size=chunk_size,
+        query_template=query_template or settings.get("query_template", QUERY_TEMPLATE),
+        default_instruction=default_instruction or settings.get("default_instruction"),
+        max_tokens_per_batch=max_tokens_per_batch,
+    )
+
+
+__all__ = ["load", "embed", "forward", "Embedder", "Mamba2Config", "QUERY_TEMPLATE", "__version__"]

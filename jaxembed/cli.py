@@ -1,0 +1,126 @@
+"""Command line: `jaxembed convert SRC DST` and `jaxembed embed --model PATH [FILES]`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def _vertical(value: str):
+    if value == "auto":
+        return "auto"
+    if value.lower() in ("none", "horizontal"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'none' or an int, got {value!r}") from None
+
+
+def _read_texts(inputs: list[str]) -> list[str]:
+    """One text per line from each file ('-' or nothing: stdin). Blank lines are texts too (EOS alone)."""
+    texts = []
+    for name in inputs or ["-"]:
+        if name == "-":
+            texts.extend(line.rstrip("\n") for line in sys.stdin)
+            continue
+        path = Path(name)
+        if not path.is_file():
+            raise SystemExit(f"jaxembed embed: {name}: no such file")
+        with open(path, encoding="utf-8") as f:
+            texts.extend(line.rstrip("\n") for line in f)
+    return texts
+
+
+def cmd_convert(args) -> int:
+    from jaxembed.convert import convert
+
+    out = convert(
+        args.src, args.dst, dtype=args.dtype, verify=args.verify, tokenizer=args.tokenizer,
+        query_template=args.query_template, default_instruction=args.default_instruction,
+    )
+    print(f"converted {args.src} -> {out}")
+    return 0
+
+
+def cmd_embed(args) -> int:
+    import jaxembed
+
+    texts = _read_texts(args.inputs)
+    if not texts:
+        raise SystemExit("jaxembed embed: no input texts")
+    model = jaxembed.load(args.model, dtype=args.dtype, tokenizer=args.tokenizer)
+    kwargs = dict(
+        batch_size=args.batch_size, normalize_embeddings=not args.no_normalize, max_length=args.max_length,
+        vertical_chunk_size=args.vertical_chunk_size, show_progress_bar=not args.quiet,
+        max_tokens_per_batch=args.max_tokens_per_batch,
+    )
+    if args.query:
+        emb = model.encode_query(texts, instruction=args.instruction, **kwargs)
+    else:
+        emb = model.encode_document(texts, **kwargs)
+    if args.output is None or args.output.suffix == ".jsonl":
+        opened = contextlib.nullcontext(sys.stdout) if args.output is None else open(args.output, "w", encoding="utf-8")
+        with opened as stream:
+            for text, vec in zip(texts, emb):
+                stream.write(json.dumps({"text": text, "embedding": np.round(vec.astype(float), 7).tolist()}) + "\n")
+    elif args.output.suffix == ".npy":
+        np.save(args.output, emb)
+    else:
+        raise SystemExit(f"jaxembed embed: --output must end in .npy or .jsonl, got {args.output}")
+    s = model.last_stats
+    print(f"embedded {s['texts']} texts, {s['tokens']} tokens in {s['seconds']:.2f} s "
+          f"({s['tokens_per_second']:.0f} tokens/s)", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxembed", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="convert a Hugging Face / mamba_ssm / Codestral checkpoint")
+    p.add_argument("src", help="checkpoint directory or hub id")
+    p.add_argument("dst", help="output directory")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: as stored)")
+    p.add_argument("--verify", action="store_true", help="compare with the PyTorch model on a few sequences")
+    p.add_argument("--tokenizer", default=None, help="tokenizer path or hub id to store with the model")
+    p.add_argument("--query-template", default=None, help='query template, default "Instruction: {prompt}\\nQuery: "')
+    p.add_argument("--default-instruction", default=None, help="instruction used by encode_query when none is given")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("embed", help="embed texts, one per line, from files or stdin")
+    p.add_argument("inputs", nargs="*", help="text files, one text per line ('-' or none: stdin)")
+    p.add_argument("--model", required=True, help="converted or Hugging Face directory")
+    p.add_argument("--output", "-o", type=Path, default=None, help=".npy or .jsonl (default: jsonl on stdout)")
+    p.add_argument("--query", action="store_true", help="texts are queries: apply the instruction template")
+    p.add_argument("--instruction", default=None, help="instruction for --query")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-length", type=int, default=None, help="truncate longer texts (with a warning)")
+    p.add_argument("--max-tokens-per-batch", type=int, default=None)
+    p.add_argument("--vertical-chunk-size", type=_vertical, default="auto", help="'auto', 'none' or V")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--no-normalize", action="store_true", help="skip L2 normalisation")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_embed)
+    return parser
+
+
+def main(argv=None) -> int:
+    from jaxembed.convert.sources import ConversionError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConversionError, ValueError, TypeError) as err:
+        print(f"jaxembed {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

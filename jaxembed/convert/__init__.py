@@ -1,0 +1,116 @@
+"""Hugging Face / PyTorch checkpoints -> jaxembed params, through declarative name tables.
+
+    jaxembed convert SRC DST [--dtype bfloat16] [--verify]
+
+SRC is a local directory or a hub id; DST gets an orbax checkpoint plus `jaxembed.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from jaxembed import models
+from jaxembed.convert import mamba2 as mamba2_layouts
+from jaxembed.convert.core import convert_tensors
+from jaxembed.convert.sources import ConversionError, TensorSource, resolve, weight_files
+
+# one entry per model family: detect(dir), rules_for(cfg), ignored_keys(cfg), RENAMES
+LAYOUT_FAMILIES = (mamba2_layouts,)
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    config: object
+    params: dict  # numpy arrays
+    layout: str  # "transformers", "mamba_ssm", "codestral", ...
+    directory: Path
+    files: list[Path]  # the tensor files read
+    family: object  # the layout module (name table, config readers)
+
+
+def detect(directory: Path):
+    """(family module, layout name, config, preferred weight files) for a checkpoint directory."""
+    for family in LAYOUT_FAMILIES:
+        found = family.detect(directory)
+        if found is not None:
+            return (family, *found)
+    present = sorted(p.name for p in directory.iterdir())[:20]
+    raise ConversionError(
+        f"{directory}: not a checkpoint this version can read. Expected a transformers config.json "
+        f"(model_type mamba2), a mamba_ssm config.json (d_model, n_layer, ssm_cfg) or a Codestral params.json; "
+        f"found {present}"
+    )
+
+
+def _dtype_rule(config, dtype):
+    keep_float32 = getattr(models.family(config), "FLOAT32_PARAMS", ())
+    target = None if dtype is None else np.dtype(dtype)
+
+    def dtype_for(path: str, source_dtype):
+        if path.rsplit("/", 1)[-1] in keep_float32:
+            return np.dtype(np.float32)
+        return target or source_dtype
+
+    return dtype_for
+
+
+def read_checkpoint(src, *, dtype=None, progress: bool = False) -> Checkpoint:
+    """Read a Hugging Face-format checkpoint (any supported layout) into a params pytree of numpy arrays."""
+    directory = resolve(src)
+    family, layout, config, preferred = detect(directory)
+    files = weight_files(directory, preferred)
+    source = TensorSource(files)
+    params = convert_tensors(
+        source,
+        family.rules_for(config),
+        models.family(config).param_shapes(config),
+        config.n_layers,
+        renames=family.RENAMES,
+        ignore=family.ignored_keys(config),
+        dtype_for=_dtype_rule(config, _parse_dtype(dtype)),
+        progress=progress,
+    )
+    return Checkpoint(config, params, layout, directory, files, family)
+
+
+def _parse_dtype(dtype):
+    if dtype is None:
+        return None
+    import ml_dtypes
+
+    names = {"float32": np.float32, "fp32": np.float32, "bfloat16": ml_dtypes.bfloat16, "bf16": ml_dtypes.bfloat16}
+    if isinstance(dtype, str):
+        if dtype not in names:
+            raise ValueError(f"dtype must be one of {sorted(names)}, got {dtype!r}")
+        return names[dtype]
+    return dtype
+
+
+__all__ = ["Checkpoint", "ConversionError", "read_checkpoint", "detect"]
+
+
+def convert(src, dst, *, dtype=None, verify: bool = False, tokenizer=None, query_template=None,
+            default_instruction=None, progress: bool = True) -> Path:
+    """Convert SRC (directory or hub id) into DST: orbax params, jaxembed.json and tokenizer files."""
+    from jaxembed import checkpoint
+    from jaxembed.embedder import QUERY_TEMPLATE, load_tokenizer
+
+    ck = read_checkpoint(src, dtype=dtype, progress=progress)
+    settings = {"query_template": query_template or QUERY_TEMPLATE}
+    if default_instruction:
+        settings["default_instruction"] = default_instruction
+    out = checkpoint.save(dst, ck.config, ck.params, embedder=settings, source=f"{src} ({ck.layout} layout)")
+    if tokenizer is not None:
+        load_tokenizer(tokenizer).save_pretrained(str(out))
+    else:
+        checkpoint.copy_tokenizer(ck.directory, out)
+    if verify:
+        from jaxembed.convert.verify import verify as run_verify
+
+        worst = run_verify(ck)
+        if not worst <= 1e-3:
+            raise ConversionError(f"verification failed: max relative error {worst:.2e} against the PyTorch model")
+    return out

@@ -1,0 +1,142 @@
+"""Declarative conversion: a table of (params path, checkpoint key, hook) rules, applied
+against the model's shape template.
+
+Every tensor is checked before any is loaded: the error lists all missing, unexpected and
+misshaped keys at once. Layer tensors are written one by one into arrays stacked on a
+leading layer axis, so the peak memory is the converted params plus one tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxembed.convert.sources import ConversionError, TensorSource
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """A named, shape-aware transform from the checkpoint layout to ours."""
+
+    name: str
+    shape: Callable[[tuple[int, ...]], tuple[int, ...]]
+    apply: Callable[[np.ndarray], np.ndarray]
+
+
+IDENTITY = Hook("identity", lambda s: s, lambda a: a)
+# torch Linear weights are [out, in]; we multiply x @ W with W [in, out]
+TRANSPOSE = Hook("transpose", lambda s: s[::-1], lambda a: np.ascontiguousarray(a.T))
+# torch depthwise Conv1d weight [channels, 1, k] -> [k, channels]
+CONV1D_DEPTHWISE = Hook(
+    "conv1d_depthwise",
+    lambda s: (s[2], s[0]) if len(s) == 3 and s[1] == 1 else ("not [channels, 1, k]:", *s),
+    lambda a: np.ascontiguousarray(a[:, 0, :].T),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """params[path] <- hook(checkpoint[key]); `{i}` in key is the layer index for stacked layer params."""
+
+    path: str
+    key: str
+    hook: Hook = IDENTITY
+    optional: bool = False  # absent from some checkpoints on purpose (a base model has no lm_head)
+
+    @property
+    def stacked(self) -> bool:
+        return "{i}" in self.key
+
+
+def _leaf(tree: Mapping, path: str):
+    for part in path.split("/"):
+        if not isinstance(tree, Mapping) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _set(tree: dict, path: str, value) -> None:
+    *parents, last = path.split("/")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[last] = value
+
+
+def normalise_keys(keys, renames: list[tuple[str, str]]) -> dict[str, str]:
+    """normalised key -> raw key, applying regex renames in order. Two raw keys landing on one name is an error."""
+    out: dict[str, str] = {}
+    for raw in keys:
+        name = raw
+        for pattern, replacement in renames:
+            name = re.sub(pattern, replacement, name)
+        if name in out:
+            raise ConversionError(f"checkpoint keys {out[name]!r} and {raw!r} both map to {name!r}")
+        out[name] = raw
+    return out
+
+
+def convert_tensors(
+    source: TensorSource,
+    rules: list[Rule],
+    shapes: Mapping,
+    n_layers: int,
+    *,
+    renames: list[tuple[str, str]],
+    ignore: list[str] = (),
+    dtype_for: Callable[[str, np.dtype], np.dtype],
+    progress: bool = False,
+) -> dict:
+    """Apply `rules` to `source`, checked against `shapes` (the params shape template).
+
+    Rules whose path is not in the template are inactive (an untied lm_head, absent biases);
+    keys matching `ignore` (regexes on normalised keys) are dropped on purpose.
+    """
+    names = normalise_keys(source.keys(), renames)
+    active = [r for r in rules if _leaf(shapes, r.path) is not None]
+    plan: list[tuple[Rule, int | None, str]] = []  # (rule, layer index, raw key)
+    missing, misshaped, matched = [], [], set()
+    for rule in active:
+        expected = tuple(_leaf(shapes, rule.path))
+        per_key = expected[1:] if rule.stacked else expected
+        for i in range(n_layers) if rule.stacked else [None]:
+            key = rule.key.format(i=i)
+            if key not in names:
+                if not rule.optional:
+                    missing.append(key)
+                continue
+            raw = names[key]
+            matched.add(raw)
+            got = tuple(rule.hook.shape(source.shape(raw)))
+            if got != per_key:
+                misshaped.append(f"{raw}: shape {source.shape(raw)} ({rule.hook.name} -> {got}), expected {per_key}")
+                continue
+            plan.append((rule, i, raw))
+    unexpected = [
+        raw for name, raw in names.items() if raw not in matched and not any(re.fullmatch(p, name) for p in ignore)
+    ]
+    if missing or unexpected or misshaped:
+        lines = []
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("misshaped", misshaped)):
+            if items:
+                shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
+                lines.append(f"{len(items)} {title} key(s):\n    " + "\n    ".join(shown))
+        raise ConversionError("checkpoint does not match the model:\n  " + "\n  ".join(lines))
+
+    params: dict = {}
+    for rule, i, raw in tqdm(plan, desc="converting", unit="tensor", disable=not progress):
+        array = rule.hook.apply(source.get(raw))
+        dtype = dtype_for(rule.path, array.dtype)
+        if rule.stacked:
+            target = _leaf(params, rule.path)
+            if target is None:
+                target = np.empty(_leaf(shapes, rule.path), dtype)
+                _set(params, rule.path, target)
+            target[i] = array
+        else:
+            _set(params, rule.path, np.asarray(array, dtype))
+    return params

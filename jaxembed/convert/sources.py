@@ -1,0 +1,153 @@
+"""Where checkpoint tensors come from: local directories or hub ids, safetensors or PyTorch .bin.
+
+Tensors are read one at a time (safetensors memory-maps; .bin files are loaded with
+`torch.load(mmap=True)`), so converting a 7B checkpoint never holds two copies of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+
+class ConversionError(ValueError):
+    """The source is not a checkpoint we can read, or its tensors do not match the model."""
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve(src: str | os.PathLike) -> Path:
+    """A local directory, or a hub id downloaded to the local cache (needs a reachable hub)."""
+    path = Path(src).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ConversionError(f"{src}: expected a checkpoint directory, got a file")
+    if not _HUB_ID.match(str(src)):
+        raise ConversionError(f"{src}: no such directory (and it is not a Hugging Face hub id)")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+    except ImportError:  # pragma: no cover - huggingface_hub is a dependency of transformers
+        raise ConversionError(f"{src}: no such directory, and huggingface_hub is not installed") from None
+    try:
+        return Path(snapshot_download(str(src), allow_patterns=["*.json", "*.safetensors", "*.bin", "tokenizer*"]))
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled, OSError) as err:
+        raise ConversionError(
+            f"{src}: not a local directory, and the Hugging Face Hub could not be reached to download it "
+            f"(offline: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', 'unset')}). "
+            f"Download it on a machine with hub access and pass the local directory. ({type(err).__name__})"
+        ) from None
+    except Exception as err:  # repository not found, gated, ...
+        raise ConversionError(f"{src}: could not download from the Hugging Face Hub: {err}") from None
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as err:
+        raise ConversionError(f"{path}: not valid JSON ({err})") from None
+
+
+def weight_files(directory: Path, preferred: tuple[str, ...] = ()) -> list[Path]:
+    """The checkpoint's tensor files: named ones first, then (sharded) safetensors, then .bin."""
+    for name in preferred:
+        if (directory / name).exists():
+            return [directory / name]
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = directory / index_name
+        if index.exists():
+            shards = sorted(set(read_json(index).get("weight_map", {}).values()))
+            missing = [s for s in shards if not (directory / s).exists()]
+            if missing:
+                raise ConversionError(f"{index}: shard files missing: {missing}")
+            return [directory / s for s in shards]
+    for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth"):
+        files = sorted(directory.glob(pattern))
+        if files:
+            return files
+    raise ConversionError(f"{directory}: no weight files (*.safetensors, *.bin) found")
+
+
+class TensorSource:
+    """Read-only mapping name -> numpy array over one or more checkpoint files, loaded lazily."""
+
+    def __init__(self, files: list[Path]):
+        self._where: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._torch: dict[Path, dict] = {}
+        for file in files:
+            for name, shape in self._scan(file):
+                self._where[name] = file
+                self._shapes[name] = shape
+
+    def _scan(self, file: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            try:
+                with safe_open(file, framework="numpy") as f:
+                    for name in f.keys():
+                        yield name, tuple(f.get_slice(name).get_shape())
+            except Exception as err:
+                raise ConversionError(f"{file}: not a readable safetensors file ({err})") from None
+        else:
+            state = self._torch_load(file)
+            for name, tensor in state.items():
+                if hasattr(tensor, "shape"):
+                    yield name, tuple(tensor.shape)
+
+    def _torch_load(self, file: Path) -> dict:
+        if file not in self._torch:
+            try:
+                import torch
+            except ImportError:
+                raise ConversionError(
+                    f"{file} is a PyTorch pickle; reading it needs torch (pip install 'jaxembed[torch]'), "
+                    "or convert the checkpoint to safetensors first"
+                ) from None
+            try:
+                state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as err:
+                raise ConversionError(f"{file}: not a readable PyTorch checkpoint ({err})") from None
+            if not isinstance(state, dict):
+                raise ConversionError(f"{file}: expected a state dict, got {type(state).__name__}")
+            self._torch[file] = state.get("state_dict", state) if "state_dict" in state else state
+        return self._torch[file]
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> np.ndarray:
+        file = self._where[name]
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(file, framework="numpy") as f:
+                return f.get_tensor(name)
+        return torch_to_numpy(self._torch_load(file)[name])
+
+
+def torch_to_numpy(tensor) -> np.ndarray:
+    """A CPU torch tensor as numpy, bfloat16 included (via ml_dtypes)."""
+    import torch
+
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()

@@ -1,0 +1,61 @@
+"""`jaxembed convert --verify`: run the PyTorch reference and the JAX model on a few sequences.
+
+The reference is built from the *source* tensors under transformers' own module names (only
+the layout prefixes are stripped), not from our converted params, so a wrong entry in our name
+table or a wrong hook shows up as a large error.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxembed.convert.sources import ConversionError, TensorSource
+from jaxembed.schedule import embed
+
+
+def reference_model(checkpoint):
+    """transformers' Mamba2Model (float32) holding the source checkpoint's tensors."""
+    try:
+        import torch
+        from transformers import Mamba2Model
+    except ImportError:
+        raise ConversionError("--verify needs PyTorch: pip install 'jaxembed[torch]'") from None
+    model = Mamba2Model(checkpoint.family.to_transformers_config(checkpoint.config)).float().eval()
+    source = TensorSource(checkpoint.files)
+    state = {}
+    for raw in source.keys():
+        name = re.sub(r"^embedding\.", "embeddings.", re.sub(r"^(model\.)?(backbone\.)?", "", raw))
+        if not name.startswith("lm_head."):
+            state[name] = torch.from_numpy(np.asarray(source.get(raw), np.float32))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ConversionError(f"reference model: missing keys {missing}, unexpected keys {unexpected}")
+    return model
+
+
+def verify(checkpoint, *, lengths=(1, 7, 37), seed: int = 0) -> float:
+    """Max relative error of the final-norm output at the last token, horizontal and vertical (V = Q)."""
+    import torch
+
+    cfg = checkpoint.config
+    model = reference_model(checkpoint)
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), checkpoint.params)
+    rng = np.random.default_rng(seed)
+    q = cfg.chunk_size
+    worst = 0.0
+    for n in (*lengths, 2 * q + 3):
+        ids = rng.integers(0, cfg.vocab_size, (1, n))
+        with torch.no_grad():
+            ref = model(input_ids=torch.from_numpy(ids)).last_hidden_state[0, -1].double().numpy()
+        for v in (None, q):
+            out = np.asarray(embed(params, cfg, jnp.asarray(ids), jnp.array([n]), vertical_chunk_size=v, normalize=False))[0]
+            err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+            mode = "horizontal" if v is None else f"vertical V={v}"
+            print(f"  length {n:6d}  {mode:>16s}  relative error {err:.2e}")
+            worst = max(worst, err)
+    print(f"verify: max relative error {worst:.2e}")
+    return worst

@@ -1,0 +1,192 @@
+"""Mamba2 as pure functions over a params pytree whose layers are stacked on a leading axis.
+
+params = {
+  "embedding": [vocab, d],
+  "layers": {                              # every leaf has a leading [n_layers] axis
+    "norm": [d],                           # pre-mixer RMSNorm
+    "in_proj": [d, d_in_proj], "in_proj_bias": [d_in_proj] (use_bias),
+    "conv_weight": [k, conv_dim], "conv_bias": [conv_dim] (use_conv_bias),
+    "dt_bias": [h], "A_log": [h], "D": [h] or [h, p],
+    "mixer_norm": [e],                     # grouped gated RMSNorm
+    "out_proj": [e, d], "out_proj_bias": [d] (use_bias),
+  },
+  "norm_f": [d],
+  "lm_head": [vocab, d] (only when embeddings are untied),
+}
+
+The per-layer state is the conv state (the last k-1 conv inputs) plus the SSM state, and
+`layer` continues from it for any number of tokens, which is all the scheduler needs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxembed.config import Mamba2Config
+from jaxembed.ops import ssd
+
+F32 = jnp.float32
+Config = Mamba2Config
+
+
+class State(NamedTuple):
+    conv: jax.Array  # [b, k-1, conv_dim] float32
+    ssm: jax.Array  # [b, h, p, n] float32
+
+
+def param_shapes(cfg: Mamba2Config) -> dict:
+    """Shape of every parameter (without the layer axis for layer params); the converter checks against it."""
+    layer = {
+        "norm": (cfg.d_model,),
+        "in_proj": (cfg.d_model, cfg.d_in_proj),
+        "conv_weight": (cfg.d_conv, cfg.conv_dim),
+        "dt_bias": (cfg.n_heads,),
+        "A_log": (cfg.n_heads,),
+        "D": (cfg.n_heads, cfg.head_dim) if cfg.d_has_hdim else (cfg.n_heads,),
+        "mixer_norm": (cfg.d_inner,),
+        "out_proj": (cfg.d_inner, cfg.d_model),
+    }
+    if cfg.use_bias:
+        layer["in_proj_bias"] = (cfg.d_in_proj,)
+        layer["out_proj_bias"] = (cfg.d_model,)
+    if cfg.use_conv_bias:
+        layer["conv_bias"] = (cfg.conv_dim,)
+    shapes = {
+        "embedding": (cfg.vocab_size, cfg.d_model),
+        "layers": {k: (cfg.n_layers, *v) for k, v in layer.items()},
+        "norm_f": (cfg.d_model,),
+    }
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, cfg.d_model)
+    return shapes
+
+
+# Decay and skip parameters stay float32 when the rest of the model is cast to bfloat16.
+FLOAT32_PARAMS = ("dt_bias", "A_log", "D")
+
+
+def init_params(cfg: Mamba2Config, key: jax.Array, dtype=F32) -> dict:
+    """Random parameters with mamba_ssm's initialisation ranges (for tests, benchmarks and training from scratch)."""
+    shapes = param_shapes(cfg)
+    keys = iter(jax.random.split(key, 16))
+    L, h = cfg.n_layers, cfg.n_heads
+
+    def normal(shape, scale):
+        return (scale * jax.random.normal(next(keys), shape, F32)).astype(dtype)
+
+    dt = jnp.exp(
+        jax.random.uniform(next(keys), (L, h), F32) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)
+    ).clip(1e-4)
+    layers = {
+        "norm": jnp.ones(shapes["layers"]["norm"], dtype),
+        "in_proj": normal(shapes["layers"]["in_proj"], cfg.d_model**-0.5),
+        "conv_weight": normal(shapes["layers"]["conv_weight"], cfg.d_conv**-0.5),
+        "dt_bias": dt + jnp.log(-jnp.expm1(-dt)),  # inverse softplus
+        "A_log": jnp.log(jax.random.uniform(next(keys), (L, h), F32, 1.0, 16.0)),
+        "D": jnp.ones(shapes["layers"]["D"], F32),
+        "mixer_norm": jnp.ones(shapes["layers"]["mixer_norm"], dtype),
+        "out_proj": normal(shapes["layers"]["out_proj"], (cfg.d_inner * cfg.n_layers) ** -0.5),
+    }
+    for name in ("in_proj_bias", "out_proj_bias", "conv_bias"):
+        if name in shapes["layers"]:
+            layers[name] = jnp.zeros(shapes["layers"][name], dtype)
+    params = {
+        "embedding": normal(shapes["embedding"], 0.02),
+        "layers": layers,
+        "norm_f": jnp.ones(shapes["norm_f"], dtype),
+    }
+    if "lm_head" in shapes:
+        params["lm_head"] = normal(shapes["lm_head"], cfg.d_model**-0.5)
+    return params
+
+
+def init_state(cfg: Mamba2Config, batch: int) -> State:
+    """Zero state of one layer; the scheduler stacks it over layers."""
+    return State(
+        conv=jnp.zeros((batch, cfg.d_conv - 1, cfg.conv_dim), F32),
+        ssm=jnp.zeros((batch, cfg.n_heads, cfg.head_dim, cfg.d_state), F32),
+    )
+
+
+def rms_norm(x, weight, eps, group_size=None):
+    """RMSNorm in float32 over the last axis, or over groups of `group_size` channels of it."""
+    xf = x.astype(F32)
+    if group_size is not None:
+        xf = xf.reshape(*xf.shape[:-1], -1, group_size)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return xf.reshape(x.shape) * weight.astype(F32)
+
+
+def _linear(x, w, b=None):
+    y = jnp.einsum("btd,de->bte", x, w.astype(x.dtype), preferred_element_type=F32)
+    return y if b is None else y + b.astype(F32)
+
+
+def causal_conv(xbc, conv_state, weight, bias):
+    """Depthwise causal conv continuing from the previous k-1 inputs, then SiLU.
+
+    xbc [b, t, conv_dim], conv_state [b, k-1, conv_dim], weight [k, conv_dim].
+    Returns (out [b, t, conv_dim] float32, new conv state).
+    """
+    k, t = weight.shape[0], xbc.shape[1]
+    full = jnp.concatenate([conv_state, xbc.astype(F32)], axis=1)  # [b, k-1+t, conv_dim]
+    out = sum(full[:, i : i + t] * weight[i].astype(F32) for i in range(k))
+    if bias is not None:
+        out = out + bias.astype(F32)
+    return jax.nn.silu(out), full[:, t:]
+
+
+def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, chunk_size: int):
+    """The Mamba2 mixer on normalised input u [b, t, d]. Returns (out [b, t, d] float32, new state)."""
+    b, t, _ = u.shape
+    e, gn, h = cfg.d_inner, cfg.n_groups * cfg.d_state, cfg.n_heads
+    zxbcdt = _linear(u, p["in_proj"], p.get("in_proj_bias"))
+    z, xbc, dt = jnp.split(zxbcdt, [e, e + cfg.conv_dim], axis=-1)
+    xbc, conv_state = causal_conv(xbc, state.conv, p["conv_weight"], p.get("conv_bias"))
+    x, B, C = jnp.split(xbc.astype(u.dtype), [e, e + gn], axis=-1)
+    y, ssm_state = ssd.chunked(
+        x.reshape(b, t, h, cfg.head_dim),
+        dt,
+        -jnp.exp(p["A_log"].astype(F32)),
+        B.reshape(b, t, cfg.n_groups, cfg.d_state),
+        C.reshape(b, t, cfg.n_groups, cfg.d_state),
+        chunk_size=chunk_size,
+        D=p["D"],
+        dt_bias=p["dt_bias"],
+        dt_limit=cfg.dt_limit,
+        initial_state=state.ssm,
+    )
+    # grouped gated RMSNorm, gate before norm (mamba_ssm's norm_before_gate=False)
+    y = y.reshape(b, t, e).astype(F32) * jax.nn.silu(z)
+    y = rms_norm(y, p["mixer_norm"], cfg.norm_eps, group_size=e // cfg.n_groups)
+    return _linear(y.astype(u.dtype), p["out_proj"], p.get("out_proj_bias")), State(conv_state, ssm_state)
+
+
+def layer(cfg: Mamba2Config, p: dict, x, state: State, *, chunk_size: int):
+    """One residual block: x + mixer(norm(x)). x [b, t, d] is the residual stream."""
+    dtype = p["in_proj"].dtype
+    u = rms_norm(x, p["norm"], cfg.norm_eps).astype(dtype)
+    out, state = mixer(cfg, p, u, state, chunk_size=chunk_size)
+    residual_dtype = F32 if cfg.residual_in_fp32 else dtype
+    return (x.astype(residual_dtype) + out).astype(residual_dtype), state
+
+
+def embed_tokens(cfg: Mamba2Config, params: dict, ids):
+    """ids [b, t] -> residual stream [b, t, d]."""
+    x = jnp.take(params["embedding"], ids, axis=0)
+    return x.astype(F32) if cfg.residual_in_fp32 else x
+
+
+def final_norm(cfg: Mamba2Config, params: dict, x):
+    """Final RMSNorm of the residual stream (float32 out)."""
+    return rms_norm(x, params["norm_f"], cfg.norm_eps)
+
+
+def logits(cfg: Mamba2Config, params: dict, hidden):
+    """Language-model head, tied to the embedding or not. hidden [..., d] -> [..., vocab]."""
+    head = params["embedding"] if cfg.tie_embeddings else params["lm_head"]
+    return jnp.einsum("...d,vd->...v", hidden.astype(head.dtype), head, preferred_element_type=F32)

@@ -1,0 +1,135 @@
+"""Cross-layer scheduling (Section 3.2.3): horizontal and vertically chunked inference.
+
+One loop serves every architecture: it only calls the family's `init_state` and `layer`.
+
+* horizontal: the whole sequence goes through one layer at a time (`lax.scan` over layers);
+* vertical: a `lax.scan` over vertical chunks of V tokens, each a `lax.scan` over layers that
+  carries one state per layer, so activations are O(V), not O(T). For T <= V it falls back to
+  horizontal, which keeps no per-layer states at all.
+
+Right padding needs no mask for last-token pooling: a causal model's output at len-1 never
+sees the pads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxembed import models
+
+F32 = jnp.float32
+
+
+def check_chunk_sizes(vertical_chunk_size: int | None, chunk_size: int) -> None:
+    """V must be a positive multiple of Q (the intra-layer chunk size)."""
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size (Q) must be a positive int, got {chunk_size!r}")
+    if vertical_chunk_size is None:
+        return
+    if not isinstance(vertical_chunk_size, int) or vertical_chunk_size <= 0:
+        raise ValueError(f"vertical_chunk_size (V) must be a positive int or None, got {vertical_chunk_size!r}")
+    if vertical_chunk_size % chunk_size:
+        raise ValueError(
+            f"vertical_chunk_size V={vertical_chunk_size} is not a multiple of the chunk size Q={chunk_size}; "
+            f"use e.g. V={-(-vertical_chunk_size // chunk_size) * chunk_size}"
+        )
+
+
+def init_states(cfg, batch: int):
+    """Zero states for every layer, stacked on a leading [n_layers] axis."""
+    one = models.family(cfg).init_state(cfg, batch)
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (cfg.n_layers, *a.shape)), one)
+
+
+def run_layers(cfg, layer_params, x, states, *, chunk_size: int):
+    """All layers on x [b, t, d], each continuing from its state: a `lax.scan` over stacked layers."""
+    layer_fn = models.family(cfg).layer
+
+    def body(x, params_and_state):
+        params_l, state_l = params_and_state
+        x, state_l = layer_fn(cfg, params_l, x, state_l, chunk_size=chunk_size)
+        return x, state_l
+
+    return lax.scan(body, x, (layer_params, states))
+
+
+def _vertical_chunks(ids, vertical_chunk_size):
+    """[b, t] -> [k, b, V], right-padding t up to a multiple of V (pads are never pooled)."""
+    b, t = ids.shape
+    pad = -t % vertical_chunk_size
+    ids = jnp.pad(ids, [(0, 0), (0, pad)])
+    return jnp.moveaxis(ids.reshape(b, -1, vertical_chunk_size), 1, 0)
+
+
+def forward(params, config, ids, *, vertical_chunk_size: int | None = None, chunk_size: int | None = None):
+    """Final-norm hidden states at every position, [b, t, d] float32 (for checks and mean pooling).
+
+    Vertical mode returns the same values as horizontal, computed V tokens at a time; the
+    output itself is O(t), the activations are O(V).
+    """
+    family = models.family(config)
+    chunk_size = chunk_size or config.chunk_size
+    check_chunk_sizes(vertical_chunk_size, chunk_size)
+    b, t = ids.shape
+    states = init_states(config, b)
+    if vertical_chunk_size is None or t <= vertical_chunk_size:
+        x, _ = run_layers(config, params["layers"], family.embed_tokens(config, params, ids), states, chunk_size=chunk_size)
+        return family.final_norm(config, params, x)
+
+    def step(states, ids_k):
+        x, states = run_layers(config, params["layers"], family.embed_tokens(config, params, ids_k), states, chunk_size=chunk_size)
+        return states, family.final_norm(config, params, x)
+
+    _, out = lax.scan(step, states, _vertical_chunks(ids, vertical_chunk_size))  # [k, b, V, d]
+    return jnp.moveaxis(out, 0, 1).reshape(b, -1, out.shape[-1])[:, :t]
+
+
+def embed(params, config, ids, lengths, *, vertical_chunk_size: int | None = None, chunk_size: int | None = None,
+          normalize: bool = True):
+    """Pure, jit-compatible embedding: the final-norm output at position lengths-1 of each row.
+
+    Args:
+      params: the model's params pytree (layers stacked on a leading axis).
+      config: the architecture config (static under jit).
+      ids: int [b, t], right-padded token ids. Pads may be any valid id.
+      lengths: int [b], 1 <= lengths <= t: the pooled position is lengths-1 (the EOS for texts).
+      vertical_chunk_size: None for horizontal inference, or V (a multiple of Q) for
+        vertically chunked inference; t <= V falls back to horizontal.
+      chunk_size: the intra-layer chunk size Q (default: the config's).
+      normalize: L2-normalise the embeddings.
+    Returns:
+      [b, d] float32.
+    """
+    family = models.family(config)
+    chunk_size = chunk_size or config.chunk_size
+    check_chunk_sizes(vertical_chunk_size, chunk_size)
+    b, t = ids.shape
+    last = jnp.asarray(lengths, jnp.int32) - 1
+    states = init_states(config, b)
+    rows = jnp.arange(b)
+
+    if vertical_chunk_size is None or t <= vertical_chunk_size:
+        x, _ = run_layers(config, params["layers"], family.embed_tokens(config, params, ids), states, chunk_size=chunk_size)
+        pooled = x[rows, last]
+    else:
+        V = vertical_chunk_size
+
+        def step(carry, ids_and_index):
+            states, pooled = carry
+            ids_k, k = ids_and_index
+            x, states = run_layers(config, params["layers"], family.embed_tokens(config, params, ids_k), states, chunk_size=chunk_size)
+            local = last - k * V
+            here = (local >= 0) & (local < V)
+            pooled = jnp.where(here[:, None], x[rows, jnp.clip(local, 0, V - 1)].astype(F32), pooled)
+            return (states, pooled), None
+
+        chunks = _vertical_chunks(ids, V)
+        pooled0 = jnp.zeros((b, config.hidden_size), F32)
+        (_, pooled), _ = lax.scan(step, (states, pooled0), (chunks, jnp.arange(chunks.shape[0])))
+
+    out = family.final_norm(config, params, pooled)
+    if normalize:
+        out = out * lax.rsqrt(jnp.maximum(jnp.sum(out * out, axis=-1, keepdims=True), 1e-24))
+    return out
