@@ -105,3 +105,14 @@ def config_from_dict(data: dict[str, Any]):
         return cls(**data)
     except TypeError as err:  # missing required fields
         raise ConfigError(f"incomplete {arch} config: {err}") from None
+
+
+def load_config(path):
+    """An architecture config from a YAML file (see configs/models/)."""
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config fields")
+    return config_from_dict(data)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 
 import jax
@@ -32,6 +31,10 @@ DEFAULT_SINGLE_SEQUENCE_V = 4096  # Appendix F: batch 1 saturates around V = 409
 MIN_BUCKET = 16
 # bucket lengths above Q are Q (or V) times one of these: at most ~1.5x padding, few programs
 _MULTIPLIERS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
+
+
+# One module-level jit: equal configs hash equal, so every Embedder of a model shares compiled programs.
+embed_jit = jax.jit(embed, static_argnums=1, static_argnames=("vertical_chunk_size", "chunk_size", "normalize"))
 
 
 def default_vertical_chunk_size(batch_size: int, chunk_size: int) -> int:
@@ -92,10 +95,6 @@ class Embedder:
         self.query_template = query_template
         self.default_instruction = default_instruction
         self.max_tokens_per_batch = max_tokens_per_batch
-        self._embed = jax.jit(
-            partial(embed, config=config, chunk_size=self.chunk_size),
-            static_argnames=("vertical_chunk_size", "normalize"),
-        )
         self.last_stats: dict = {}
 
     # ---- properties -------------------------------------------------------------------
@@ -244,8 +243,8 @@ class Embedder:
                 for j, i in enumerate(rows):
                     batch[j, : lengths[i]] = seqs[i]
                     batch_lengths[j] = lengths[i]
-                emb = self._embed(self.params, ids=batch, lengths=batch_lengths, vertical_chunk_size=V,
-                                  normalize=normalize_embeddings)
+                emb = embed_jit(self.params, self.config, batch, batch_lengths, vertical_chunk_size=V,
+                                chunk_size=self.chunk_size, normalize=normalize_embeddings)
                 out[rows] = np.asarray(emb[: len(rows)], np.float32)
                 bar.update(int(lengths[rows].sum()))
         elapsed = time.perf_counter() - start

@@ -1,152 +1,22 @@
-"""Shared fixtures: tiny random transformers / mamba_ssm / Codestral checkpoints built locally,
-a tiny byte-level tokenizer trained on local text, and the tolerance table."""
+"""Shared fixtures and the tolerance table. The checkpoint builders live in jaxembed.testing."""
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download anything
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
 
+from jaxembed.testing import (  # noqa: E402,F401
+    hf_last_hidden, make_hf_mamba2, make_tokenizer, rel_err, save_codestral_layout, save_mamba_ssm_layout,
+)
+
 # Relative tolerance per dtype for parity with references (norm-wise: |out - ref| / |ref|).
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-
-
-def make_hf_mamba2(seed: int = 0, *, vocab_size=96, hidden_size=64, head_dim=16, n_groups=1, state_size=16,
-                   chunk_size=8, num_hidden_layers=2, tie_word_embeddings=False, time_step_limit=(0.0, float("inf")),
-                   conv_kernel=4, use_bias=False, causal_lm=False):
-    """A transformers Mamba2 with every parameter random, including the ones the default init
-    sets to constants (norms, D, dt_bias, A_log, conv bias)."""
-    import torch
-    from transformers import Mamba2Config, Mamba2ForCausalLM, Mamba2Model
-
-    torch.manual_seed(seed)
-    cfg = Mamba2Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_heads=2 * hidden_size // head_dim, head_dim=head_dim,
-        expand=2, n_groups=n_groups, state_size=state_size, chunk_size=chunk_size, num_hidden_layers=num_hidden_layers,
-        tie_word_embeddings=tie_word_embeddings, time_step_limit=tuple(time_step_limit), conv_kernel=conv_kernel,
-        use_bias=use_bias,
-    )
-    model = (Mamba2ForCausalLM if causal_lm else Mamba2Model)(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name.endswith(("mixer.D", "mixer.dt_bias")):
-                p.copy_(torch.randn_like(p))
-            elif name.endswith("mixer.A_log"):
-                p.copy_(torch.randn_like(p))  # A = -exp(A_log) spans ~0.1 .. 10
-            elif name.endswith("bias"):
-                p.copy_(0.3 * torch.randn_like(p))
-    return model
-
-
-def hf_last_hidden(model, seqs) -> np.ndarray:
-    """transformers' own final-norm output at the last position of each sequence, run alone."""
-    import torch
-
-    base = getattr(model, "backbone", model)
-    with torch.no_grad():
-        return np.stack([base(input_ids=torch.tensor([list(s)])).last_hidden_state[0, -1].double().numpy() for s in seqs])
-
-
-def mamba_ssm_state_dict(model) -> dict:
-    """The model's weights under mamba_ssm's names (backbone.embedding.weight, ...)."""
-    base = getattr(model, "backbone", model)
-    state = {f"backbone.{k}".replace("backbone.embeddings.", "backbone.embedding."): v.clone()
-             for k, v in base.state_dict().items()}
-    head = getattr(model, "lm_head", None)
-    state["lm_head.weight"] = (head.weight if head is not None else base.embeddings.weight).detach().clone()
-    return state
-
-
-def save_mamba_ssm_layout(model, directory: Path, *, pad_multiple: int = 16, unpadded_vocab: int | None = None) -> Path:
-    """Write the model as a state-spaces/mamba2-* checkpoint: config.json (d_model, n_layer,
-    ssm_cfg, pad_vocab_size_multiple) + pytorch_model.bin. ssm_cfg leaves d_conv and expand
-    out, so the reader must take mamba_ssm's defaults (4 and 2) for them."""
-    import torch
-
-    c = model.config
-    assert c.conv_kernel == 4 and c.expand == 2
-    directory.mkdir(parents=True, exist_ok=True)
-    config = {
-        "d_model": c.hidden_size, "d_intermediate": 0, "n_layer": c.num_hidden_layers,
-        "vocab_size": unpadded_vocab or c.vocab_size,
-        "ssm_cfg": {"layer": "Mamba2", "d_state": c.state_size, "headdim": c.head_dim, "ngroups": c.n_groups,
-                    "chunk_size": c.chunk_size},
-        "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
-        "pad_vocab_size_multiple": pad_multiple, "tie_embeddings": bool(c.tie_word_embeddings),
-    }
-    (directory / "config.json").write_text(json.dumps(config))
-    torch.save(mamba_ssm_state_dict(model), directory / "pytorch_model.bin")
-    return directory
-
-
-def save_codestral_layout(model, directory: Path) -> Path:
-    """Write the model as Mistral's Codestral Mamba: params.json + consolidated.safetensors with
-    `model.`-prefixed mamba_ssm keys. Everything but params.json's fields is mamba_ssm's default,
-    so the model must have d_state=128, head_dim=64, chunk 256."""
-    from safetensors.torch import save_file
-
-    c = model.config
-    assert (c.state_size, c.head_dim, c.chunk_size, c.expand, c.conv_kernel) == (128, 64, 256, 2, 4)
-    directory.mkdir(parents=True, exist_ok=True)
-    params = {"dim": c.hidden_size, "n_layers": c.num_hidden_layers, "vocab_size": c.vocab_size,
-              "n_groups": c.n_groups, "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
-              "pad_vocab_size_multiple": 1, "tie_embeddings": bool(c.tie_word_embeddings), "model_type": "mamba"}
-    (directory / "params.json").write_text(json.dumps(params))
-    state = {f"model.{k}": v.contiguous() for k, v in mamba_ssm_state_dict(model).items()}
-    if c.tie_word_embeddings:
-        state.pop("model.lm_head.weight")
-    save_file(state, directory / "consolidated.safetensors")
-    return directory
-
-
-def local_corpus(limit_chars: int = 200_000) -> list[str]:
-    """Real text available on every machine: the docstrings of the Python standard library."""
-    import inspect
-    import json as json_mod
-    import textwrap
-
-    texts = []
-    for module in (json_mod, textwrap, inspect, os, warnings):
-        for _, obj in inspect.getmembers(module):
-            doc = inspect.getdoc(obj)
-            if doc:
-                texts.append(doc)
-    corpus, total = [], 0
-    for t in texts:
-        corpus.append(t)
-        total += len(t)
-        if total > limit_chars:
-            break
-    return corpus
-
-
-def make_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer trained here on standard-library docstrings, with <eos> = id 0."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(local_corpus(), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
 
 
 @pytest.fixture(scope="session")

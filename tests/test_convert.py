@@ -1,0 +1,92 @@
+"""`jaxembed convert`: round trip, --verify, dtype, and the errors a broken checkpoint gets."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import jaxembed
+from conftest import TOLERANCE, hf_last_hidden, make_hf_mamba2, rel_err
+from jaxembed.cli import main
+from jaxembed.convert import ConversionError, read_checkpoint
+
+
+def test_convert_round_trip_and_verify(hf_model_dir, tmp_path, capsys):
+    src, model = hf_model_dir
+    dst = tmp_path / "converted"
+    assert main(["convert", str(src), str(dst), "--verify"]) == 0
+    printed = capsys.readouterr().out
+    assert "verify: max relative error" in printed
+    assert float(printed.split("verify: max relative error")[1].split()[0]) < TOLERANCE["float32"]
+    assert (dst / "jaxembed.json").exists() and (dst / "params").is_dir() and (dst / "tokenizer.json").exists()
+    converted, original = jaxembed.load(dst), jaxembed.load(src)
+    seqs = [np.arange(1, 30).tolist(), [3, 4, 5]]
+    np.testing.assert_array_equal(converted.encode_ids(seqs), original.encode_ids(seqs))
+    ref = hf_last_hidden(model, seqs)
+    out = converted.encode_ids(seqs, normalize_embeddings=False)
+    assert max(rel_err(o, r) for o, r in zip(out, ref)) < TOLERANCE["float32"]
+    assert converted.encode("hello").shape == (converted.embedding_dim,)  # the tokenizer came along
+
+
+def test_convert_to_bfloat16_keeps_decays_float32(hf_model_dir, tmp_path):
+    src, _ = hf_model_dir
+    assert main(["convert", str(src), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    emb = jaxembed.load(tmp_path / "bf16")
+    layers = emb.params["layers"]
+    assert layers["in_proj"].dtype == np.dtype("bfloat16") and layers["out_proj"].dtype == np.dtype("bfloat16")
+    assert layers["A_log"].dtype == layers["dt_bias"].dtype == layers["D"].dtype == np.float32
+    manifest = json.loads((tmp_path / "bf16" / "jaxembed.json").read_text())
+    assert manifest["config"]["architecture"] == "mamba2" and "transformers layout" in manifest["source"]
+
+
+@pytest.fixture
+def broken_dir(tmp_path):
+    model = make_hf_mamba2(seed=3, n_groups=2)
+    model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _edit_weights(directory, edit):
+    path = directory / "model.safetensors"
+    state = load_file(path)
+    edit(state)
+    save_file(state, path)
+
+
+def test_missing_unexpected_and_misshaped_keys_are_named(broken_dir):
+    def edit(state):
+        del state["layers.1.mixer.A_log"]
+        state["layers.0.mixer.extra"] = torch.zeros(3)
+        state["layers.0.mixer.out_proj.weight"] = torch.zeros(64, 100)
+
+    _edit_weights(broken_dir, edit)
+    with pytest.raises(ConversionError) as err:
+        read_checkpoint(broken_dir)
+    text = str(err.value)
+    assert "1 missing key(s)" in text and "layers.1.mixer.A_log" in text
+    assert "1 unexpected key(s)" in text and "layers.0.mixer.extra" in text
+    assert "1 misshaped key(s)" in text and "layers.0.mixer.out_proj.weight: shape (64, 100)" in text
+
+
+def test_unsupported_and_unreadable_checkpoints(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"d_model": 64, "n_layer": 2, "vocab_size": 100, "ssm_cfg": {}, "d_intermediate": 0}))
+    with pytest.raises(ConversionError, match="only Mamba2 layers are supported"):
+        read_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"d_model": 64, "n_layer": 2, "vocab_size": 100, "ssm_cfg": {"layer": "Mamba2"}}))
+    with pytest.raises(ConversionError, match="no weight files"):
+        read_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ConversionError, match="not a readable safetensors file"):
+        read_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{broken json")
+    with pytest.raises(ConversionError, match="not valid JSON"):
+        read_checkpoint(tmp_path)
+
+
+def test_cli_reports_errors_without_traceback(tmp_path, capsys):
+    assert main(["convert", str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
+    assert "error:" in capsys.readouterr().err

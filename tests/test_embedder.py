@@ -1,0 +1,141 @@
+"""The encode API against transformers' reference outputs, plus its input checks."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxembed
+from conftest import TOLERANCE, hf_last_hidden, rel_err
+from jaxembed.convert import ConversionError
+
+
+@pytest.fixture(scope="module")
+def embedder(hf_model_dir):
+    path, model = hf_model_dir
+    return jaxembed.load(path), model
+
+
+def reference(model, tokenizer, texts):
+    """transformers' final-norm output at the EOS appended to each tokenized text, L2-normalised."""
+    ids = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    ref = hf_last_hidden(model, ids)
+    return ref / np.linalg.norm(ref, axis=-1, keepdims=True)
+
+
+TEXTS = [
+    "Return the sum of a list.",
+    "",
+    "A much longer document about JSON decoding, which keeps going for a while so that it spans several chunks "
+    "of the intra-layer chunk size and more than one vertical chunk as well.",
+    "x",
+    "Serialize obj to a JSON formatted str.",
+]
+
+
+def test_encode_matches_reference_in_input_order(embedder, tokenizer):
+    emb, model = embedder
+    out = emb.encode(TEXTS, batch_size=2)
+    assert out.shape == (len(TEXTS), emb.embedding_dim) and out.dtype == np.float32
+    ref = reference(model, tokenizer, TEXTS)
+    for o, r in zip(out, ref):
+        assert rel_err(o, r) < TOLERANCE["float32"]
+    np.testing.assert_allclose(np.linalg.norm(out, axis=-1), 1.0, rtol=1e-6)
+
+
+def test_empty_string_is_eos_alone(embedder, tokenizer):
+    emb, model = embedder
+    ref = hf_last_hidden(model, [[tokenizer.eos_token_id]])[0]
+    assert rel_err(emb.encode("", normalize_embeddings=False), ref) < TOLERANCE["float32"]
+
+
+def test_query_template_only_on_queries(embedder, tokenizer):
+    emb, model = embedder
+    q = emb.encode_query(["sort a list"], instruction="Retrieve code for the query")
+    d = emb.encode_document(["sort a list"])
+    ref_q = reference(model, tokenizer, ["Instruction: Retrieve code for the query\nQuery: sort a list"])
+    ref_d = reference(model, tokenizer, ["sort a list"])
+    assert rel_err(q[0], ref_q[0]) < TOLERANCE["float32"]
+    assert rel_err(d[0], ref_d[0]) < TOLERANCE["float32"]
+    # a literal prompt is prepended verbatim; E5-style templates are configurable
+    p = emb.encode(["sort a list"], prompt="Instruct: find\nQuery: ")
+    assert rel_err(p[0], reference(model, tokenizer, ["Instruct: find\nQuery: sort a list"])[0]) < TOLERANCE["float32"]
+    sim = emb.similarity(q, np.stack([d[0], p[0]]))
+    assert sim.shape == (1, 2)
+    np.testing.assert_allclose(sim[0, 0], q[0] @ d[0], rtol=1e-5)
+
+
+def test_max_length_truncates_with_a_count(embedder, tokenizer):
+    emb, model = embedder
+    with pytest.warns(UserWarning, match="truncated 1 of 2 texts"):
+        out = emb.encode([TEXTS[2], "short"], max_length=10)
+    ids = tokenizer(TEXTS[2])["input_ids"][:9] + [tokenizer.eos_token_id]
+    ref = hf_last_hidden(model, [ids])[0]
+    assert rel_err(out[0], ref / np.linalg.norm(ref)) < TOLERANCE["float32"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        emb.encode(["short"])  # no truncation, no warning, by default
+
+
+def test_buckets_bound_the_number_of_programs(hf_model_dir):
+    path, _ = hf_model_dir
+    emb = jaxembed.load(path)
+    from jaxembed.embedder import embed_jit
+
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(1, emb.vocab_size, n).tolist() for n in rng.integers(1, 120, 60)]
+    before = embed_jit._cache_size()
+    out = emb.encode_ids(ids, vertical_chunk_size=32, batch_size=8)
+    # lengths 1..119 with Q = 8, V = 32: buckets 16, 32(=4Q) and 2V, 3V, 4V -> a handful of programs for 60 sequences
+    assert embed_jit._cache_size() - before <= 6
+    budget = emb.encode_ids(ids, vertical_chunk_size=32, batch_size=8, max_tokens_per_batch=256)
+    np.testing.assert_allclose(budget, out, rtol=1e-5, atol=1e-6)
+    assert emb.last_stats["batches"] > 8
+
+
+def test_embed_is_pure_and_composable(embedder):
+    """jaxembed.embed works inside a user's jit, vmap and grad."""
+    emb, _ = embedder
+    cfg, params = emb.config, emb.params
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, emb.vocab_size, (2, 40)), jnp.int32)
+    lengths = jnp.array([40, 13])
+    f = jax.jit(jaxembed.embed, static_argnums=1, static_argnames=("vertical_chunk_size",))
+    direct = f(params, cfg, ids, lengths, vertical_chunk_size=16)
+    mapped = jax.vmap(lambda i, n: jaxembed.embed(params, cfg, i, n, vertical_chunk_size=16))(ids[:, None], lengths[:, None])
+    np.testing.assert_allclose(mapped[:, 0], direct, rtol=1e-5, atol=1e-6)
+    grads = jax.grad(lambda p: jnp.sum(jaxembed.embed(p, cfg, ids, lengths)[0] ** 3))(params)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda e: e.encode(["ok", 3]), TypeError, r"texts\[1\] is int"),
+    (lambda e: e.encode([b"bytes"]), TypeError, r"texts\[0\] is bytes"),
+    (lambda e: e.encode_ids([[1, 2], [5, 100000]]), ValueError, r"ids\[1\]\[1\] = 100000 is out of the vocabulary range"),
+    (lambda e: e.encode_ids([[1, -1]]), ValueError, r"ids\[0\]\[1\] = -1 is out of the vocabulary range"),
+    (lambda e: e.encode_ids([[1], []]), ValueError, r"ids\[1\] is empty"),
+    (lambda e: e.encode_ids([[1.5, 2.0]]), TypeError, r"ids\[0\] must hold ints"),
+    (lambda e: e.encode_ids([[1, 2]], vertical_chunk_size=12), ValueError, r"V=12 is not a multiple of the chunk size Q=8"),
+    (lambda e: e.encode_ids([[1, 2]], batch_size=0), ValueError, "batch_size must be a positive int"),
+    (lambda e: e.encode(["a"], vertical_chunk_size="big"), ValueError, "vertical_chunk_size must be"),
+])
+def test_bad_input_gets_a_clear_error(embedder, call, error, message):
+    emb, _ = embedder
+    with pytest.raises(error, match=message):
+        call(emb)
+
+
+def test_loading_errors(tmp_path, hf_model_dir):
+    with pytest.raises(ConversionError, match="no such directory"):
+        jaxembed.load(tmp_path / "missing")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ConversionError, match="not a checkpoint"):
+        jaxembed.load(tmp_path)
+    with pytest.raises(ConversionError, match="Hugging Face Hub could not be reached"):
+        jaxembed.load("state-spaces/mamba2-130m")  # HF_HUB_OFFLINE=1 in the tests
+    path, _ = hf_model_dir
+    no_tok = jaxembed.load(path, tokenizer=None)
+    no_tok.tokenizer = None
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        no_tok.encode(["a"])
