@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from jaxembed import models
 from jaxembed.schedule import check_chunk_sizes, embed

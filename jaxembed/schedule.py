@@ -43,16 +43,63 @@ def init_states(cfg, batch: int):
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (cfg.n_layers, *a.shape)), one)
 
 
+# Per-layer vectors (norms, biases, conv taps, decays) up to this size are gathered by a matmul on CPU.
+SMALL_PARAM_ELEMENTS = 1 << 16
+
+
+def _layer_param_slicer(layer_params):
+    """Split stacked layer params into (scanned leaves, a function (scanned slice, i) -> params_l).
+
+    On CPU, XLA fuses a scan's per-layer dynamic-slice into every elementwise consumer, which
+    then computes the slice index per element and runs several times slower (the conv alone:
+    7x). So small per-layer params are gathered once per layer with a one-hot matmul (exact:
+    products with 1 and 0), which XLA materialises; large matrices feed matmuls and are scanned
+    as usual. Elsewhere everything is scanned.
+    """
+    leaves, treedef = jax.tree.flatten(layer_params)
+    n_layers = leaves[0].shape[0]
+    small = [
+        i for i, a in enumerate(leaves)
+        if jax.default_backend() == "cpu" and a[0].size <= SMALL_PARAM_ELEMENTS and jnp.issubdtype(a.dtype, jnp.floating)
+    ]
+    tables = {}  # dtype -> (leaf indices, [n_layers, total] table)
+    for i in small:
+        tables.setdefault(leaves[i].dtype, []).append(i)
+    tables = {dt: (idx, jnp.concatenate([leaves[i].reshape(n_layers, -1) for i in idx], axis=1))
+              for dt, idx in tables.items()}
+    scanned = [a for i, a in enumerate(leaves) if i not in small]
+
+    def params_at(scanned_l, layer):
+        out = [None] * len(leaves)
+        it = iter(scanned_l)
+        for i in range(len(leaves)):
+            if i not in small:
+                out[i] = next(it)
+        for idx, table in tables.values():
+            onehot = jax.nn.one_hot(layer, n_layers, dtype=table.dtype)
+            row = jnp.dot(onehot, table, precision=lax.Precision.HIGHEST, preferred_element_type=table.dtype)
+            offset = 0
+            for i in idx:
+                size = leaves[i][0].size
+                out[i] = row[offset : offset + size].reshape(leaves[i].shape[1:])
+                offset += size
+        return jax.tree.unflatten(treedef, out)
+
+    return scanned, params_at
+
+
 def run_layers(cfg, layer_params, x, states, *, chunk_size: int):
     """All layers on x [b, t, d], each continuing from its state: a `lax.scan` over stacked layers."""
     layer_fn = models.family(cfg).layer
+    scanned, params_at = _layer_param_slicer(layer_params)
+    n_layers = jax.tree.leaves(layer_params)[0].shape[0]
 
-    def body(x, params_and_state):
-        params_l, state_l = params_and_state
-        x, state_l = layer_fn(cfg, params_l, x, state_l, chunk_size=chunk_size)
+    def body(x, inputs):
+        scanned_l, layer, state_l = inputs
+        x, state_l = layer_fn(cfg, params_at(scanned_l, layer), x, state_l, chunk_size=chunk_size)
         return x, state_l
 
-    return lax.scan(body, x, (layer_params, states))
+    return lax.scan(body, x, (scanned, jnp.arange(n_layers), states))
 
 
 def _vertical_chunks(ids, vertical_chunk_size):

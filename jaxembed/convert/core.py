@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Mapping
 
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from jaxembed.convert.sources import ConversionError, TensorSource
 

@@ -126,6 +126,12 @@ def _linear(x, w, b=None):
     return y if b is None else y + b.astype(F32)
 
 
+def silu(x):
+    """x * sigmoid(x) as one division: XLA materialises it once instead of recomputing its
+    input (here the conv) inside every consumer fusion, which costs ~20% on CPU."""
+    return x / (1.0 + jnp.exp(-x))
+
+
 def causal_conv(xbc, conv_state, weight, bias):
     """Depthwise causal conv continuing from the previous k-1 inputs, then SiLU.
 
@@ -137,7 +143,7 @@ def causal_conv(xbc, conv_state, weight, bias):
     out = sum(full[:, i : i + t] * weight[i].astype(F32) for i in range(k))
     if bias is not None:
         out = out + bias.astype(F32)
-    return jax.nn.silu(out), full[:, t:]
+    return silu(out), full[:, t:]
 
 
 def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, chunk_size: int):
@@ -161,7 +167,7 @@ def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, chunk_size: int):
         initial_state=state.ssm,
     )
     # grouped gated RMSNorm, gate before norm (mamba_ssm's norm_before_gate=False)
-    y = y.reshape(b, t, e).astype(F32) * jax.nn.silu(z)
+    y = y.reshape(b, t, e).astype(F32) * silu(z)
     y = rms_norm(y, p["mixer_norm"], cfg.norm_eps, group_size=e // cfg.n_groups)
     return _linear(y.astype(u.dtype), p["out_proj"], p.get("out_proj_bias")), State(conv_state, ssm_state)
 

@@ -3,10 +3,11 @@
     h_t = exp(dt_t * A) h_{t-1} + dt_t * B_t x_tᵀ        (per head; A_t = a_t I with a_t = exp(dt_t A))
     y_t = C_tᵀ h_t + D x_t
 
-`recurrent` is the sequential recurrence (paper eq. 1), `quadratic` the matrix form
-M = L ∘ (C Bᵀ) (eq. 4) and `chunked` the chunked algorithm of Section 3.2.2: intra-chunk
-matrix work (eqs. 6-7), the inter-chunk state recurrence as a `lax.scan` over chunks (eq. 8)
-and the output correction (eq. 9). All three take the raw `dt` (before bias and softplus),
+`recurrent` is the sequential recurrence (the paper's eq. 3, `eq:mamba2`), `quadratic` the
+matrix form M = L ∘ (C Bᵀ) (eq. 6, `eq:ssm-matrix-vectorized`) and `chunked` the chunked
+algorithm of Section 3.2.2: intra-chunk matrix work (eqs. 8-9), the inter-chunk state
+recurrence as a `lax.scan` over chunks (eq. 10) and the output correction (eqs. 11-12).
+In the paper's notation x_t is our dt_t * x_t and a_t = exp(dt_t * A). All three take the raw `dt` (before bias and softplus),
 an optional initial state, and return `(y, final_state)`.
 
 Shapes: b batch, t time, c chunks, l/s positions inside a chunk, h heads, p head dim,
@@ -85,16 +86,40 @@ def decay_matrix(a_cum):
     """L[..., i, j] = exp(a_cum[i] - a_cum[j]) for i >= j, else exactly 0.  [..., l] -> [..., l, l]
 
     Inside one chunk a difference of cumulative sums is accurate to eps * |a_cum| (the chunk's
-    total log decay), the same as mamba_ssm's kernels; masking before `exp` means no inf or NaN
-    however large dt is (the unmasked differences above the diagonal are positive).
+    total log decay), as in mamba_ssm's kernels. The exponent is clamped at 0 before `exp`, so
+    the entries above the diagonal (positive differences) never overflow to inf, and no NaN
+    reaches the gradient of the masked entries however large dt is.
     """
     l = a_cum.shape[-1]
-    diff = a_cum[..., :, None] - a_cum[..., None, :]
-    return jnp.exp(jnp.where(jnp.tril(jnp.ones((l, l), bool)), diff, -jnp.inf))
+    diff = jnp.minimum(a_cum[..., :, None] - a_cum[..., None, :], 0.0)
+    return jnp.where(jnp.tril(jnp.ones((l, l), bool)), jnp.exp(diff), 0.0)
+
+
+def _bmm(a, b):
+    """Batched matmul [..., m, k] @ [..., k, n] -> [..., m, n] in float32, batch dims leading.
+
+    Written as a canonical dot_general so XLA keeps row-major operands and output, instead of
+    transposing [l, s] decay matrices on the way in and the outputs on the way out.
+    """
+    nb = a.ndim - 2
+    batch = tuple(range(nb))
+    return lax.dot_general(a, b, (((nb + 1,), (nb,)), (batch, batch)), preferred_element_type=F32)
+
+
+def _triangular_sums(a):
+    """(inclusive prefix sums, exclusive suffix sums) of a [..., l] along l, as matmuls with
+    triangular 0/1 matrices at full float32 precision: exact sums of the same terms as a cumsum,
+    and a single materialised result (XLA's cumsum on CPU is a reduce-window that consumers
+    otherwise recompute element by element)."""
+    l = a.shape[-1]
+    k, j = jnp.arange(l)[:, None], jnp.arange(l)[None, :]
+    prefix = jnp.einsum("...k,kj->...j", a, (k <= j).astype(a.dtype), precision=lax.Precision.HIGHEST)
+    suffix = jnp.einsum("...k,kj->...j", a, (k > j).astype(a.dtype), precision=lax.Precision.HIGHEST)
+    return prefix, suffix
 
 
 def recurrent(x, dt, A, B, C, *, D=None, dt_bias=None, dt_limit=(0.0, math.inf), initial_state=None):
-    """Sequential recurrence, a `lax.scan` over time (eq. 1). Returns (y [b,t,h,p], state [b,h,p,n])."""
+    """Sequential recurrence, a `lax.scan` over time (eq. 3). Returns (y [b,t,h,p], state [b,h,p,n])."""
     r = _heads_per_group(x, B)
     state = _check_state(initial_state, x, B)
     dt = discretize_dt(dt, dt_bias, dt_limit)
@@ -114,7 +139,7 @@ def recurrent(x, dt, A, B, C, *, D=None, dt_bias=None, dt_limit=(0.0, math.inf),
 
 
 def quadratic(x, dt, A, B, C, *, D=None, dt_bias=None, dt_limit=(0.0, math.inf), initial_state=None):
-    """Full matrix form y = (L ∘ C Bᵀ) x (eq. 4), O(t²); plus the initial state's contribution."""
+    """Full matrix form y = (L ∘ C Bᵀ) x (eq. 6), O(t²); plus the initial state's contribution."""
     r = _heads_per_group(x, B)
     state = _check_state(initial_state, x, B)
     dt = discretize_dt(dt, dt_bias, dt_limit)
@@ -127,7 +152,7 @@ def quadratic(x, dt, A, B, C, *, D=None, dt_bias=None, dt_limit=(0.0, math.inf),
     y = jnp.einsum("bhls,bshp->blhp", M, xdt)
     a_cum = jnp.cumsum(a, axis=-1)  # [b, h, t]: log decay from the start up to and including t
     y = y + jnp.einsum("blhn,bhpn,bhl->blhp", Ch, state, jnp.exp(a_cum))
-    to_end = jnp.exp(a_cum[..., -1:] - a_cum)  # [b, h, t]
+    to_end = L[..., -1, :]  # decay from s to the end: the last row of L, exact (no cumsum difference)
     final = jnp.exp(a_cum[..., -1])[..., None, None] * state + jnp.einsum("bshn,bhs,bshp->bhpn", Bh, to_end, xdt)
     return (y + _d_skip(x, D)).astype(x.dtype), final
 
@@ -141,53 +166,69 @@ def chunk_intra(x, dt, a, B, C):
 
     Inputs are chunked: x [b,c,l,h,p], dt and a = dt*A [b,c,l,h] (float32), B, C [b,c,l,g,n].
     Returns
-      y_intra [b,c,l,h,p]  (L ∘ C Bᵀ)(dt x) on the diagonal block               (eq. 6)
-      h_intra [b,c,h,p,n]  Bᵀ diag(L[Q, :])(dt x): the chunk's own end state      (eq. 7)
-      a_cum   [b,c,l,h]    log decay from the chunk start through position l
+      y_intra [b,c,l,h,p]   (L ∘ C Bᵀ)(dt x) on the diagonal block                (eq. 8)
+      h_intra [b,c,g,n,r*p] Bᵀ diag(L[Q, :])(dt x): the chunk's own end state       (eq. 9),
+                            heads of a group side by side (see `states_to_heads`)
+      a_cum   [b,c,l,h]     log decay from the chunk start through position l
     """
     b, c, l, h, p = x.shape
     g = B.shape[3]
     r = h // g
     cdt = x.dtype
-    a_hl = jnp.moveaxis(a, 2, 3)  # [b, c, h, l]
-    a_cum = jnp.cumsum(a_hl, axis=-1)
-    # log decay from s to the chunk end, Σ_{k>s} a_k, summed directly (no cumsum difference)
-    a_next = jnp.pad(a_hl[..., 1:], [(0, 0)] * 3 + [(0, 1)])
-    to_end = jnp.exp(jnp.flip(jnp.cumsum(jnp.flip(a_next, -1), axis=-1), -1))  # [b, c, h, s]
-    L = decay_matrix(a_cum).reshape(b, c, g, r, l, l)  # [b, c, g, r, l, s]
-    xdt = x.astype(F32) * dt[..., None]  # [b, c, s, h, p]
-    CB = jnp.einsum("bclgn,bcsgn->bcgls", C, B, preferred_element_type=F32)  # per group, shared by its heads
-    M = (L * CB[:, :, :, None]).astype(cdt)
-    y_intra = jnp.einsum(
-        "bcgrls,bcsgrp->bclgrp", M, xdt.astype(cdt).reshape(b, c, l, g, r, p), preferred_element_type=F32
-    ).reshape(b, c, l, h, p)
-    xdt_to_end = (xdt * jnp.moveaxis(to_end, 3, 2)[..., None]).astype(cdt).reshape(b, c, l, g, r, p)
-    h_intra = jnp.einsum("bcsgn,bcsgrp->bcgrpn", B, xdt_to_end, preferred_element_type=F32).reshape(b, c, h, p, -1)
+    a_cum, a_to_end = _triangular_sums(jnp.moveaxis(a, 2, 3))  # [b,c,h,l]; a_to_end[s] = Σ_{k>s} a_k
+    Bg, Cg = jnp.moveaxis(B, 3, 2), jnp.moveaxis(C, 3, 2)  # [b,c,g,l,n]
+    CB = _bmm(Cg, jnp.swapaxes(Bg, -1, -2))  # [b,c,g,l,s], per group: shared by its r heads
+    M = (decay_matrix(a_cum).reshape(b, c, g, r, l, l) * CB[:, :, :, None]).astype(cdt)
+    xdt = x.astype(F32) * dt[..., None]  # [b,c,l,h,p]
+    xdt_heads = jnp.moveaxis(xdt.astype(cdt).reshape(b, c, l, g, r, p), 2, 4)  # [b,c,g,r,s,p]
+    y_intra = jnp.moveaxis(_bmm(M, xdt_heads), 4, 2).reshape(b, c, l, h, p)
+    # the chunk state: all heads of a group in one matmul, Bᵀ [n, s] @ (dt x decay-to-end) [s, r*p]
+    w = (xdt * jnp.exp(jnp.moveaxis(a_to_end, 3, 2))[..., None]).astype(cdt).reshape(b, c, l, g, r * p)
+    h_intra = _bmm(jnp.moveaxis(B, (2, 3), (4, 2)), jnp.moveaxis(w, 3, 2))  # [b,c,g,n,r*p]
     return y_intra, h_intra, jnp.moveaxis(a_cum, 3, 2)
 
 
-def chunk_states(h_intra, chunk_decay, initial_state):
-    """Inter-chunk recurrence h(c) = exp(Σ_chunk a) h(c-1) + h_intra(c) (eq. 8), a `lax.scan` over chunks.
+def heads_to_states(state, groups: int):
+    """[..., h, p, n] -> [..., g, n, r*p], the grouped layout the chunk recurrence works in."""
+    *lead, h, p, n = state.shape
+    st = state.reshape(*lead, groups, h // groups, p, n)
+    return jnp.moveaxis(st, -1, -3).reshape(*lead, groups, n, -1)
 
-    h_intra [b,c,h,p,n], chunk_decay [b,c,h] (log), initial_state [b,h,p,n].
-    Returns (states entering each chunk [b,c,h,p,n], final state [b,h,p,n]).
+
+def states_to_heads(state, heads: int):
+    """[..., g, n, r*p] -> [..., h, p, n], the public state layout (as in transformers)."""
+    *lead, g, n, rp = state.shape
+    st = state.reshape(*lead, g, n, heads // g, rp * g // heads)
+    return jnp.moveaxis(st, -3, -1).reshape(*lead, heads, rp * g // heads, n)
+
+
+def chunk_states(h_intra, chunk_decay, initial_state):
+    """Inter-chunk recurrence h(c) = exp(Σ_chunk a) h(c-1) + h_intra(c) (eq. 10), a `lax.scan` over chunks.
+
+    h_intra [b,c,g,n,r*p], chunk_decay [b,c,h] (log), initial_state [b,g,n,r*p] (float32).
+    Returns (states entering each chunk [b,c,g,n,r*p], final state [b,g,n,r*p]).
     """
+    b, c, g, n, rp = h_intra.shape
+    h = chunk_decay.shape[-1]
+    decay = jnp.repeat(jnp.exp(chunk_decay).reshape(b, c, g, 1, h // g), rp * g // h, axis=-1)  # [b,c,g,1,r*p]
 
     def step(state, inputs):
         h_c, decay_c = inputs
-        return jnp.exp(decay_c)[..., None, None] * state + h_c, state
+        return decay_c * state + h_c, state
 
-    final, entering = lax.scan(step, initial_state, (jnp.moveaxis(h_intra, 1, 0), jnp.moveaxis(chunk_decay, 1, 0)))
+    final, entering = lax.scan(step, initial_state, (jnp.moveaxis(h_intra, 1, 0), jnp.moveaxis(decay, 1, 0)))
     return jnp.moveaxis(entering, 0, 1), final
 
 
 def chunk_output(C, entering, a_cum):
-    """Output correction y_inter = diag(exp(a_cum)) C h(c-1) (eq. 9).  -> [b,c,l,h,p] float32"""
+    """Output correction y_inter = diag(exp(a_cum)) C h(c-1) (eq. 11), all heads of a group in one matmul.
+
+    C [b,c,l,g,n], entering [b,c,g,n,r*p], a_cum [b,c,l,h]  ->  [b,c,l,h,p] float32
+    """
     b, c, l, g, n = C.shape
-    h, p = entering.shape[2], entering.shape[3]
-    r = h // g
-    st = entering.reshape(b, c, g, r, p, n).astype(C.dtype)
-    y = jnp.einsum("bclgn,bcgrpn->bclgrp", C, st, preferred_element_type=F32).reshape(b, c, l, h, p)
+    h = a_cum.shape[-1]
+    y = _bmm(jnp.moveaxis(C, 3, 2), entering.astype(C.dtype))  # [b,c,g,l,r*p]
+    y = jnp.moveaxis(y, 2, 3).reshape(b, c, l, h, -1)
     return y * jnp.exp(a_cum)[..., None]
 
 
@@ -212,7 +253,7 @@ def chunked(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_limit=(0.0, 
     Bc = Bp.reshape(b, c, chunk_size, g, n)
     Cc = Cp.reshape(b, c, chunk_size, g, n)
     y_intra, h_intra, a_cum = chunk_intra(xc, dtc, ac, Bc, Cc)
-    entering, final = chunk_states(h_intra, a_cum[:, :, -1], state)
+    entering, final = chunk_states(h_intra, a_cum[:, :, -1], heads_to_states(state, g))
     y = y_intra + chunk_output(Cc, entering, a_cum)
     y = y.reshape(b, c * chunk_size, h, p)[:, :t] + _d_skip(x, D)
-    return y.astype(x.dtype), final
+    return y.astype(x.dtype), states_to_heads(final, h)

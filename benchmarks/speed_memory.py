@@ -1,0 +1,364 @@
+"""Speed and peak memory versus input length: jaxembed horizontal vs vertical, and the two peers.
+
+Every (method, length) point runs in a fresh subprocess (this script with --worker), which
+builds the model, calls it once (compiling), times --repeats calls, and reports its own peak
+RSS from getrusage(RUSAGE_SELF).ru_maxrss. A fresh process per point means one point's
+allocations never inflate another's peak. The parent enforces a per-point timeout and an RSS
+limit; a point that fails, times out or runs out of memory is reported as such, and peer
+points above --peer-max-length are reported as skipped.
+
+Peak RSS includes the Python / jax (or torch) runtime, the weights and XLA's compilation, so
+it does not go to zero with the length; what matters is how it grows. Vertical inference
+should stay flat once T > V (the acceptance check: max/min peak RSS <= 1.10 over 8k..128k),
+horizontal inference grows linearly in T.
+
+    .venv/bin/python benchmarks/speed_memory.py                          # 8k..128k, all methods
+    .venv/bin/python benchmarks/speed_memory.py --lengths 2048,4096 --repeats 1 --vertical 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CONFIG = common.CONFIGS / "bench-memory-4l-256.yaml"
+DEFAULT_CSV = HERE / "results" / "speed_memory.csv"
+DEFAULT_PNG = HERE / "results" / "speed_memory.png"
+RESULT_MARK = "@@SPEED_MEMORY_RESULT@@"
+FLATNESS_LIMIT = 1.10
+
+CSV_FIELDS = ["method", "label", "vertical_chunk_size", "length", "batch", "status", "min_s", "mean_s", "times_s",
+              "tokens_per_s", "peak_rss_mib", "baseline_rss_mib", "build_peak_rss_mib", "run_peak_rss_mib",
+              "run_increase_rss_mib", "first_call_s", "build_s", "wall_s", "repeats", "threads", "config", "error"]
+
+
+# ---- worker: one point, in a fresh process ----------------------------------------------------
+def worker(args) -> int:
+    env = common.pin_threads(args.threads)  # before jax / torch are imported
+    result = {"env": env}
+    build_peak = [0.0]  # ru_maxrss just before the VmHWM reset
+    try:
+        cfg = common.load_config(args.config)
+        ids = common.random_ids(cfg.vocab_size, args.batch, args.length, args.seed)
+        V = args.vertical_chunk_size or None
+        t0 = time.perf_counter()
+        run = common.build(args.method, cfg, ids, vertical_chunk_size=V, threads=env["threads"], seed=args.seed)
+        result["build_s"] = time.perf_counter() - t0
+        # resident now: runtime + weights + inputs, before anything ran on the inputs
+        result["baseline_rss_mib"] = common.current_rss_mib()
+        # Reset the kernel's high-water mark so that the run's own peak (compile + run) shows,
+        # without the transient of building random weights. The reset also resets ru_maxrss,
+        # so the peak so far is kept and the process peak is the max of both readings below.
+        hwm_reset = False
+        if not args.no_hwm_reset:
+            build_peak[0] = result["build_peak_rss_mib"] = common.peak_rss_mib()
+            hwm_reset = common.reset_peak_rss()
+        timing = common.time_run(run, args.repeats, warmup=1)
+        if hwm_reset:
+            result["run_peak_rss_mib"] = common.hwm_rss_mib()
+        result.update(status="ok", first_call_s=timing.warmup_s, times_s=timing.times_s, min_s=timing.min_s,
+                      mean_s=timing.mean_s, tokens_per_s=args.batch * args.length / timing.min_s)
+    except MemoryError as err:
+        result.update(status="out of memory", error=f"MemoryError: {err}"[:300])
+    except Exception as err:
+        msg = f"{type(err).__name__}: {err}"
+        status = "out of memory" if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower() else "failed"
+        result.update(status=status, error=msg.splitlines()[0][:300])
+    # ru_maxrss at the end (KiB on Linux), combined with the reading taken before the reset:
+    # the process's lifetime peak, as ru_maxrss alone would report it without the reset
+    result["peak_rss_mib"] = max(common.peak_rss_mib(), build_peak[0])
+    print(RESULT_MARK + json.dumps(result), flush=True)
+    return 0 if result["status"] == "ok" else 1
+
+
+# ---- parent --------------------------------------------------------------------------------------
+def run_point(args, method: str, V: int | None, length: int) -> dict:
+    """Run one point in a fresh process under the timeout and RSS limit; returns the result dict."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--method", method,
+           "--length", str(length), "--vertical-chunk-size", str(V or 0), "--config", str(args.config),
+           "--batch", str(args.batch), "--repeats", str(args.repeats), "--threads", str(args.threads),
+           "--seed", str(args.seed)] + (["--no-hwm-reset"] if args.no_hwm_reset else [])
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # a thread drains stdout so a chatty worker never blocks on a full pipe
+    import threading
+
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    killed, observed_rss = None, 0.0
+    while proc.poll() is None:
+        time.sleep(0.2)
+        rss = common.current_rss_mib(proc.pid)
+        if rss == rss:  # not NaN (the child may just have exited)
+            observed_rss = max(observed_rss, rss)
+        if time.perf_counter() - t0 > args.timeout:
+            killed = f"timeout (> {args.timeout:.0f} s)"
+        elif args.memory_limit_mib and observed_rss > args.memory_limit_mib:
+            killed = f"over memory limit (RSS > {args.memory_limit_mib:.0f} MiB)"
+        if killed:
+            proc.kill()
+            proc.wait()
+            break
+    reader.join(timeout=5)
+    wall = time.perf_counter() - t0
+    out = {"wall_s": wall}
+    for line in lines:
+        if line.startswith(RESULT_MARK):
+            out.update(json.loads(line[len(RESULT_MARK):]))
+    if killed:
+        out.update(status="timeout" if killed.startswith("timeout") else "out of memory", error=killed,
+                   peak_rss_mib=max(out.get("peak_rss_mib", 0.0), observed_rss))
+    elif "status" not in out:  # died without reporting (e.g. killed by the kernel's OOM killer)
+        tail = " | ".join(ln.strip() for ln in lines[-3:] if ln.strip())
+        status = "out of memory" if proc.returncode in (-9, 137) else "failed"
+        out.update(status=status, error=f"exit code {proc.returncode}: {tail}"[:300], peak_rss_mib=observed_rss)
+    return out
+
+
+def method_label(method: str, V: int | None, tag: str = "") -> str:
+    if method != "jaxembed":
+        return method
+    if V is None:
+        return "jaxembed horizontal"
+    return f"jaxembed vertical V={V}" + (f" ({tag})" if tag else "")
+
+
+def format_table(header, rows) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
+    for r in rows:
+        lines.append("  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(r, widths))))
+    return "\n".join(lines)
+
+
+def flatness(rows: list[dict], label: str, min_length: int = 0, key: str = "peak_rss_mib"):
+    """(max/min of `key` over one method's successful points with length > min_length, shortest,
+    longest), or None with fewer than two points."""
+    pts = [(int(r["length"]), float(r[key])) for r in rows
+           if r["label"] == label and r["status"] == "ok" and int(r["length"]) > min_length and r.get(key) not in (None, "")]
+    if len(pts) < 2:
+        return None
+    rss = [p[1] for p in pts]
+    return max(rss) / min(rss), min(p[0] for p in pts), max(p[0] for p in pts)
+
+
+def plot(rows: list[dict], labels: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    for label in labels:
+        pts = sorted((int(r["length"]), float(r["tokens_per_s"]), float(r["peak_rss_mib"])) for r in rows
+                     if r["label"] == label and r["status"] == "ok")
+        bad = sorted({(int(r["length"]), r["status"]) for r in rows
+                      if r["label"] == label and r["status"] not in ("ok",)})
+        legend = label
+        if bad:
+            legend += " [" + ", ".join(f"{common.fmt_len(n)}: {s}" for n, s in bad) + "]"
+        style = "-" if label.startswith("jaxembed") else "--"
+        if not pts:
+            ax1.plot([], [], style, marker="o", label=legend)
+            ax2.plot([], [], style, marker="o", label=legend)
+            continue
+        x, tps, rss = zip(*pts)
+        line, = ax1.plot(x, tps, style, marker="o", label=legend)
+        ax2.plot(x, rss, style, marker="o", color=line.get_color(), label=legend)
+    for ax, ylabel in ((ax1, "tokens / s"), (ax2, "peak RSS (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("input length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        lengths = sorted({int(r["length"]) for r in rows})
+        ax.set_xticks(lengths, [common.fmt_len(n) for n in lengths])
+    ax2.set_yscale("log")
+    from matplotlib.ticker import ScalarFormatter
+
+    ax2.yaxis.set_major_formatter(ScalarFormatter())
+    ax2.yaxis.set_minor_formatter(ScalarFormatter())
+    ax1.set_ylim(bottom=0)
+    ax1.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parent(args) -> int:
+    env = common.pin_threads(args.threads)  # children inherit the affinity and re-apply it
+    if args.memory_limit_mib is None:
+        avail = common.available_memory_mib()
+        args.memory_limit_mib = min(16384.0, 0.6 * avail) if avail == avail else 16384.0
+    from jaxembed.embedder import default_vertical_chunk_size  # imports jax, but runs nothing
+
+    import yaml
+
+    with open(args.config) as f:
+        chunk_size = int(yaml.safe_load(f).get("chunk_size", 256))
+    lengths = common.parse_int_list(args.lengths)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in ("jaxembed", *common.PEERS):
+            raise SystemExit(f"unknown method {m!r}; use jaxembed, mamba2-jax, torch")
+    vertical: dict[int, str] = {}
+    for part in (s.strip() for s in args.vertical.split(",")):
+        if part in ("default", "auto"):
+            vertical[default_vertical_chunk_size(args.batch, chunk_size)] = "default"
+        elif part:
+            vertical.setdefault(common.parse_int_list(part)[0], "")
+    for V in vertical:
+        if V % chunk_size:
+            raise SystemExit(f"V={V} is not a multiple of Q={chunk_size}")
+
+    variants = []  # (method, V, label)
+    if "jaxembed" in methods:
+        if not args.no_horizontal:
+            variants.append(("jaxembed", None, method_label("jaxembed", None)))
+        variants += [("jaxembed", V, method_label("jaxembed", V, tag)) for V, tag in vertical.items()]
+    variants += [(m, None, m) for m in common.PEERS if m in methods]
+
+    print(f"# speed_memory: {Path(args.config).name}  batch={args.batch}  lengths={','.join(map(common.fmt_len, lengths))}"
+          f"  repeats={args.repeats}  fp32")
+    print(f"# CPU: {common.cpu_model()}  threads={env['threads']} (cpus {env['cpus']})  XLA_FLAGS={env['XLA_FLAGS']!r}"
+          f"  load avg {os.getloadavg()[0]:.2f}")
+    limit = f"{args.memory_limit_mib:.0f} MiB" if args.memory_limit_mib else "none"
+    print(f"# per point: fresh process, timeout {args.timeout:.0f} s, RSS limit {limit}; "
+          f"peers up to {common.fmt_len(args.peer_max_length)} tokens")
+
+    csv_path = Path(args.csv)
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for length in lengths:
+            for method, V, label in variants:
+                row = {"method": method, "label": label, "vertical_chunk_size": V or "", "length": length,
+                       "batch": args.batch, "repeats": args.repeats, "threads": env["threads"],
+                       "config": Path(args.config).name}
+                if method in common.PEERS and length > args.peer_max_length:
+                    row.update(status="skipped", error=f"length > --peer-max-length {args.peer_max_length}")
+                else:
+                    res = run_point(args, method, V, length)
+                    row.update(status=res.get("status", "failed"), error=res.get("error", ""))
+                    for key in ("min_s", "mean_s", "tokens_per_s", "peak_rss_mib", "baseline_rss_mib",
+                                "build_peak_rss_mib", "run_peak_rss_mib", "first_call_s", "build_s", "wall_s"):
+                        if key in res:
+                            row[key] = round(float(res[key]), 4)
+                    if "times_s" in res:
+                        row["times_s"] = " ".join(f"{t:.4f}" for t in res["times_s"])
+                    if row["status"] == "ok" and "run_peak_rss_mib" in row:
+                        row["run_increase_rss_mib"] = round(row["run_peak_rss_mib"] - row["baseline_rss_mib"], 1)
+                rows.append(row)
+                writer.writerow(row)
+                f.flush()
+                if row["status"] == "ok":
+                    print(f"  {common.fmt_len(length):>6}  {label:<34} {row['tokens_per_s']:>10.0f} tok/s  "
+                          f"peak RSS {row['peak_rss_mib']:8.0f} MiB  (min {row['min_s']:.3f} s, "
+                          f"wall {row['wall_s']:.0f} s)", flush=True)
+                else:
+                    print(f"  {common.fmt_len(length):>6}  {label:<34} {row['status'].upper()}: {row['error']}",
+                          flush=True)
+
+    # ---- tables --------------------------------------------------------------------------------
+    labels = [v[2] for v in variants]
+    by = {(r["label"], r["length"]): r for r in rows}
+
+    def cell(r, key, fmt):
+        if r is None:
+            return "-"
+        if r["status"] != "ok":
+            return {"skipped": "skip", "timeout": "TIMEOUT", "out of memory": "OOM"}.get(r["status"], "FAIL")
+        return "-" if r.get(key) in (None, "") else fmt.format(r[key])
+
+    header = ["method"] + [common.fmt_len(n) for n in lengths]
+    print("\ntokens/s (from the min of the repeats)")
+    print(format_table(header, [[lab] + [cell(by.get((lab, n)), "tokens_per_s", "{:.0f}") for n in lengths]
+                                for lab in labels]))
+    print("\npeak RSS of the fresh process (MiB)")
+    print(format_table(header, [[lab] + [cell(by.get((lab, n)), "peak_rss_mib", "{:.0f}") for n in lengths]
+                                for lab in labels]))
+    if any("run_increase_rss_mib" in r for r in rows):
+        print("\npeak RSS while compiling and running, minus the RSS just before (MiB): activations, "
+              "compilation, workspace")
+        print(format_table(header, [[lab] + [cell(by.get((lab, n)), "run_increase_rss_mib", "{:.0f}")
+                                             for n in lengths] for lab in labels]))
+    failed = [r for r in rows if r["status"] not in ("ok", "skipped")]
+    if failed:
+        print("\nnot measured:")
+        for r in failed:
+            print(f"  {r['label']} at {common.fmt_len(r['length'])}: {r['status']} - {r['error']}")
+
+    # ---- flatness of vertical memory -------------------------------------------------------------
+    print(f"\nmax/min across lengths (vertical should be flat, <= {FLATNESS_LIMIT:.2f}, once T > V; "
+          "horizontal grows)")
+    print("  process peak RSS (ru_maxrss) | run-phase peak RSS (VmHWM reset after building the model)")
+    for method, V, label in variants:
+        fl = flatness(rows, label, min_length=V or 0)
+        fl_run = flatness(rows, label, min_length=V or 0, key="run_peak_rss_mib")
+        if fl is None:
+            print(f"  {label}: fewer than 2 successful points" + (f" with T > V={V}" if V else ""))
+            continue
+        ratio, lo, hi = fl
+        verdict = ""
+        if method == "jaxembed" and V is not None:
+            verdict = "  PASS (flat)" if ratio <= FLATNESS_LIMIT else "  FAIL (not flat)"
+        run_part = f" | {fl_run[0]:.3f}" if fl_run else ""
+        print(f"  {label}: {ratio:.3f}{run_part} over {common.fmt_len(lo)}..{common.fmt_len(hi)}{verdict}")
+
+    print(f"\nwrote {csv_path}")
+    if not args.no_plot:
+        title = (f"{Path(args.config).stem}, batch {args.batch}, fp32, {env['threads']} threads "
+                 f"({common.cpu_model()})")
+        plot(rows, labels, Path(args.png), title)
+        print(f"wrote {args.png}")
+    return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="model config YAML (default: %(default)s)")
+    ap.add_argument("--lengths", default="8k,16k,32k,64k,128k", help="comma list of input lengths (k = 1024)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="timed calls per point after the compiling one")
+    ap.add_argument("--vertical", default="default,2048",
+                    help="vertical chunk sizes V for jaxembed ('default' = jaxembed's policy for the batch size)")
+    ap.add_argument("--no-horizontal", action="store_true", help="skip jaxembed horizontal")
+    ap.add_argument("--methods", default="jaxembed,mamba2-jax,torch", help="comma list of jaxembed, mamba2-jax, torch")
+    ap.add_argument("--peer-max-length", type=lambda s: common.parse_int_list(s)[0], default=128 * 1024,
+                    help="longest input the peers are run at; longer points are reported as skipped (default 128k)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="per-point wall-clock limit in seconds")
+    ap.add_argument("--memory-limit-mib", type=float, default=None,
+                    help="kill a point whose RSS exceeds this (0: no limit; default: 60%% of the memory available "
+                         "at the start, at most 16384)")
+    ap.add_argument("--threads", type=int, default=2, help="CPUs for every method (affinity, torch and BLAS threads)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--csv", default=str(DEFAULT_CSV), help="output CSV (default: %(default)s)")
+    ap.add_argument("--png", default=str(DEFAULT_PNG), help="output plot (default: %(default)s)")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--no-hwm-reset", action="store_true",
+                    help="do not reset VmHWM after the build (no run-phase peak; ru_maxrss read once at the end)")
+    # worker mode (one point); used by the parent
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--method", help=argparse.SUPPRESS)
+    ap.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--vertical-chunk-size", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    return worker(args) if args.worker else parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
