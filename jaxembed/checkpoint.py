@@ -7,7 +7,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxembed.config import config_from_dict
@@ -45,14 +44,13 @@ def save(directory, config, params, *, embedder: dict | None = None, source: str
 
 
 def load(directory):
-    """(config, params as numpy arrays, embedder settings) from a converted directory."""
+    """(config, params, embedder settings) from a converted directory."""
     directory = Path(directory).expanduser().absolute()
     manifest = json.loads((directory / MANIFEST).read_text())
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{directory / MANIFEST}: unsupported format_version {manifest.get('format_version')}")
     config = config_from_dict(manifest["config"])
     params = ocp.StandardCheckpointer().restore(directory / "params")
-    params = {k: v for k, v in params.items()}  # plain dicts all the way down
     return config, params, manifest.get("embedder", {})
 
 
@@ -64,8 +62,3 @@ def copy_tokenizer(src: Path, dst: Path) -> list[str]:
             copied.append(name)
     return copied
 
-
-def as_numpy_tree(tree):
-    import jax
-
-    return jax.tree.map(np.asarray, tree)

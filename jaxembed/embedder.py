@@ -86,8 +86,8 @@ class Embedder:
     ):
         self.config = config
         self.family = models.family(config)
-        self.chunk_size = chunk_size or config.chunk_size
-        check_chunk_sizes(None, self.chunk_size)
+        check_chunk_sizes(None, chunk_size or config.chunk_size)
+        self.chunk_size = int(chunk_size or config.chunk_size)
         self.params = _to_device(params, dtype, getattr(self.family, "FLOAT32_PARAMS", ()))
         self.tokenizer = tokenizer
         if "{prompt}" not in query_template:
@@ -209,7 +209,7 @@ class Embedder:
                 raise ValueError(f"vertical_chunk_size must be 'auto', None or an int, got {vertical_chunk_size!r}")
             return default_vertical_chunk_size(batch_size, self.chunk_size)
         check_chunk_sizes(vertical_chunk_size, self.chunk_size)
-        return vertical_chunk_size
+        return None if vertical_chunk_size is None else int(vertical_chunk_size)
 
     def encode_ids(
         self,
@@ -269,7 +269,7 @@ def _make_batches(order, lengths, batch_size, budget, bucket):
 
 
 def _check_texts(texts) -> list[str]:
-    if isinstance(texts, (bytes, bytearray)) or not isinstance(texts, Sequence) and not hasattr(texts, "__iter__"):
+    if isinstance(texts, (bytes, bytearray)) or not hasattr(texts, "__iter__"):
         raise TypeError(f"texts must be a string or a sequence of strings, got {type(texts).__name__}")
     texts = list(texts)
     for i, t in enumerate(texts):

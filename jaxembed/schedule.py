@@ -13,6 +13,8 @@ sees the pads.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -22,13 +24,17 @@ from jaxembed import models
 F32 = jnp.float32
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def check_chunk_sizes(vertical_chunk_size: int | None, chunk_size: int) -> None:
     """V must be a positive multiple of Q (the intra-layer chunk size)."""
-    if not isinstance(chunk_size, int) or chunk_size <= 0:
+    if not _is_int(chunk_size) or chunk_size <= 0:
         raise ValueError(f"chunk_size (Q) must be a positive int, got {chunk_size!r}")
     if vertical_chunk_size is None:
         return
-    if not isinstance(vertical_chunk_size, int) or vertical_chunk_size <= 0:
+    if not _is_int(vertical_chunk_size) or vertical_chunk_size <= 0:
         raise ValueError(f"vertical_chunk_size (V) must be a positive int or None, got {vertical_chunk_size!r}")
     if vertical_chunk_size % chunk_size:
         raise ValueError(

@@ -26,7 +26,7 @@ def rel_err(out, ref) -> float:
 
 def make_hf_mamba2(seed: int = 0, *, vocab_size=96, hidden_size=64, head_dim=16, n_groups=1, state_size=16,
                    chunk_size=8, num_hidden_layers=2, tie_word_embeddings=False, time_step_limit=(0.0, float("inf")),
-                   conv_kernel=4, use_bias=False, causal_lm=False):
+                   conv_kernel=4, use_bias=False, use_conv_bias=True, causal_lm=False):
     """A transformers Mamba2 with every parameter random, including the ones the default init
     sets to constants (norms, D, dt_bias, A_log, conv bias)."""
     import torch
@@ -37,7 +37,7 @@ def make_hf_mamba2(seed: int = 0, *, vocab_size=96, hidden_size=64, head_dim=16,
         vocab_size=vocab_size, hidden_size=hidden_size, num_heads=2 * hidden_size // head_dim, head_dim=head_dim,
         expand=2, n_groups=n_groups, state_size=state_size, chunk_size=chunk_size, num_hidden_layers=num_hidden_layers,
         tie_word_embeddings=tie_word_embeddings, time_step_limit=tuple(time_step_limit), conv_kernel=conv_kernel,
-        use_bias=use_bias,
+        use_bias=use_bias, use_conv_bias=use_conv_bias,
     )
     model = (Mamba2ForCausalLM if causal_lm else Mamba2Model)(cfg).eval()
     with torch.no_grad():
@@ -72,7 +72,8 @@ def mamba_ssm_state_dict(model) -> dict:
     return state
 
 
-def save_mamba_ssm_layout(model, directory: Path, *, pad_multiple: int = 16, unpadded_vocab: int | None = None) -> Path:
+def save_mamba_ssm_layout(model, directory: Path, *, pad_multiple: int = 16, unpadded_vocab: int | None = None,
+                          d_has_hdim: bool = False) -> Path:
     """Write the model as a state-spaces/mamba2-* checkpoint: config.json (d_model, n_layer,
     ssm_cfg, pad_vocab_size_multiple) + pytorch_model.bin. ssm_cfg leaves d_conv and expand
     out, so the reader must take mamba_ssm's defaults (4 and 2) for them."""
@@ -85,12 +86,16 @@ def save_mamba_ssm_layout(model, directory: Path, *, pad_multiple: int = 16, unp
         "d_model": c.hidden_size, "d_intermediate": 0, "n_layer": c.num_hidden_layers,
         "vocab_size": unpadded_vocab or c.vocab_size,
         "ssm_cfg": {"layer": "Mamba2", "d_state": c.state_size, "headdim": c.head_dim, "ngroups": c.n_groups,
-                    "chunk_size": c.chunk_size},
+                    "chunk_size": c.chunk_size, **({"D_has_hdim": True} if d_has_hdim else {})},
         "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
         "pad_vocab_size_multiple": pad_multiple, "tie_embeddings": bool(c.tie_word_embeddings),
     }
     (directory / "config.json").write_text(json.dumps(config))
-    torch.save(mamba_ssm_state_dict(model), directory / "pytorch_model.bin")
+    state = mamba_ssm_state_dict(model)
+    if d_has_hdim:
+        for key in [k for k in state if k.endswith("mixer.D")]:
+            state[key] = state[key].repeat_interleave(c.head_dim)
+    torch.save(state, directory / "pytorch_model.bin")
     return directory
 
 

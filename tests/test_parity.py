@@ -11,7 +11,8 @@ from conftest import (TOLERANCE, hf_last_hidden, make_hf_mamba2, rel_err, save_c
 CASES = {
     # n_groups, Q, state size and dt limits vary; lengths are odd and cross chunk boundaries
     "groups1_q8": dict(n_groups=1, chunk_size=8),
-    "groups2_q16_state32": dict(n_groups=2, chunk_size=16, state_size=32),
+    "groups2_q16_state32_biases_conv3": dict(n_groups=2, chunk_size=16, state_size=32, use_bias=True,
+                                             use_conv_bias=False, conv_kernel=3),
     "groups4_q8_headdim8_dtlimit_tied": dict(n_groups=4, chunk_size=8, head_dim=8, tie_word_embeddings=True,
                                              time_step_limit=(0.01, 3.0)),
 }
@@ -60,12 +61,12 @@ def test_causal_lm_layout_with_untied_head(tmp_path):
     assert rel_err(logits, ref_logits) < TOLERANCE["float32"]
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_mamba_ssm_layout(tied, tmp_path):
+@pytest.mark.parametrize("tied, d_has_hdim", [(True, False), (False, True)])
+def test_mamba_ssm_layout(tied, d_has_hdim, tmp_path):
     """The same weights written as a state-spaces/mamba2-* checkpoint (padded vocab, pytorch_model.bin,
-    ssm_cfg without d_conv/expand so the defaults apply) give the same embeddings."""
+    ssm_cfg without d_conv/expand so the defaults apply; D per head or per channel) give the same embeddings."""
     model = make_hf_mamba2(seed=7, vocab_size=112, n_groups=2, chunk_size=16, tie_word_embeddings=tied)
-    save_mamba_ssm_layout(model, tmp_path, pad_multiple=16, unpadded_vocab=100)
+    save_mamba_ssm_layout(model, tmp_path, pad_multiple=16, unpadded_vocab=100, d_has_hdim=d_has_hdim)
     emb = jaxembed.load(tmp_path)
     assert emb.vocab_size == 112 and emb.config.tie_embeddings == tied
     seqs = random_seqs(100, (5, 37, 61), seed=3)

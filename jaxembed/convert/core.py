@@ -2,17 +2,21 @@
 against the model's shape template.
 
 Every tensor is checked before any is loaded: the error lists all missing, unexpected and
-misshaped keys at once. Layer tensors are written one by one into arrays stacked on a
-leading layer axis, so the peak memory is the converted params plus one tensor.
+misshaped keys at once. Tensors are read one at a time into arrays stacked on a leading
+layer axis, one params leaf at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from functools import partial
 from collections.abc import Callable, Mapping
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from tqdm import tqdm
 
 from jaxembed.convert.sources import ConversionError, TensorSource
@@ -127,16 +131,30 @@ def convert_tensors(
                 lines.append(f"{len(items)} {title} key(s):\n    " + "\n    ".join(shown))
         raise ConversionError("checkpoint does not match the model:\n  " + "\n  ".join(lines))
 
+    # One leaf at a time: each layer's tensor is written in place into a device buffer (donated,
+    # so never copied), and the next tensor is read only after. Peak memory is the converted
+    # params plus one tensor, never two copies of the model (orbax would copy NumPy leaves on save).
+    by_rule: dict[Rule, list[tuple[int | None, str]]] = {}
+    for rule, i, raw in plan:
+        by_rule.setdefault(rule, []).append((i, raw))
     params: dict = {}
-    for rule, i, raw in tqdm(plan, desc="converting", unit="tensor", disable=not progress):
-        array = rule.hook.apply(source.get(raw))
-        dtype = dtype_for(rule.path, array.dtype)
-        if rule.stacked:
-            target = _leaf(params, rule.path)
-            if target is None:
-                target = np.empty(_leaf(shapes, rule.path), dtype)
-                _set(params, rule.path, target)
-            target[i] = array
-        else:
-            _set(params, rule.path, np.asarray(array, dtype))
+    with tqdm(total=len(plan), desc="converting", unit="tensor", disable=not progress) as bar:
+        for rule, tensors in by_rule.items():
+            leaf = None
+            for i, raw in tensors:
+                array = rule.hook.apply(source.get(raw))
+                dtype = dtype_for(rule.path, array.dtype)
+                if not rule.stacked:
+                    leaf = jax.device_put(np.asarray(array, dtype))
+                else:
+                    if leaf is None:
+                        leaf = jnp.zeros(_leaf(shapes, rule.path), dtype)
+                    leaf = _write_layer(leaf, np.asarray(array, dtype), i)
+                bar.update(1)
+            _set(params, rule.path, leaf)
     return params
+
+
+@partial(jax.jit, donate_argnums=0)
+def _write_layer(stacked, layer, i):
+    return lax.dynamic_update_index_in_dim(stacked, layer, i, 0)

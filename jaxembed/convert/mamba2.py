@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 from jaxembed.config import Mamba2Config
-from jaxembed.convert.core import CONV1D_DEPTHWISE, IDENTITY, TRANSPOSE, Hook, Rule
+from jaxembed.convert.core import CONV1D_DEPTHWISE, TRANSPOSE, Hook, Rule
 from jaxembed.convert.sources import ConversionError, read_json
 
 LAYER = "layers.{i}."
@@ -168,5 +168,3 @@ def to_transformers_config(cfg: Mamba2Config):
         tie_word_embeddings=cfg.tie_embeddings,
     )
 
-
-__all__ = ["RULES", "RENAMES", "detect", "rules_for", "ignored_keys", "to_transformers_config", "IDENTITY"]

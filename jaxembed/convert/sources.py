@@ -119,7 +119,7 @@ class TensorSource:
                 raise ConversionError(f"{file}: not a readable PyTorch checkpoint ({err})") from None
             if not isinstance(state, dict):
                 raise ConversionError(f"{file}: expected a state dict, got {type(state).__name__}")
-            self._torch[file] = state.get("state_dict", state) if "state_dict" in state else state
+            self._torch[file] = state.get("state_dict", state)
         return self._torch[file]
 
     def keys(self) -> list[str]:

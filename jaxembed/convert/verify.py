@@ -7,6 +7,7 @@ table or a wrong hook shows up as a large error.
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -42,6 +43,14 @@ def verify(checkpoint, *, lengths=(7,), seed: int = 0) -> float:
     import torch
 
     cfg = checkpoint.config
+    n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(checkpoint.params))
+    needed = 2 * 4 * n_params  # the PyTorch and the JAX model, both in float32
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else None
+    if available is not None and needed > available:
+        raise ConversionError(
+            f"--verify runs the PyTorch and the JAX model side by side in float32 and needs about "
+            f"{needed / 2**30:.1f} GiB; {available / 2**30:.1f} GiB is free. Convert without --verify here."
+        )
     model = reference_model(checkpoint)
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), checkpoint.params)
     run = jax.jit(embed, static_argnums=1, static_argnames=("vertical_chunk_size", "normalize"))
