@@ -226,7 +226,8 @@ class Embedder:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         seqs = _check_ids(ids, self.vocab_size)
-        V = self.resolve_vertical_chunk_size(vertical_chunk_size, batch_size)
+        # Appendix F's policy depends on how many sequences run together, not on the batch_size cap
+        V = self.resolve_vertical_chunk_size(vertical_chunk_size, min(batch_size, len(seqs)))
         budget = max_tokens_per_batch or self.max_tokens_per_batch
         lengths = np.array([len(s) for s in seqs])
         order = np.argsort(-lengths, kind="stable")
