@@ -15,7 +15,7 @@ import numpy as np
 from jaxembed import models
 from jaxembed.convert import mamba2 as mamba2_layouts
 from jaxembed.convert.core import convert_tensors
-from jaxembed.convert.sources import ConversionError, TensorSource, resolve, weight_files
+from jaxembed.convert.sources import ConversionError, TensorSource, fetch_weights, resolve, weight_files
 
 # one entry per model family: detect(dir), rules_for(cfg), ignored_keys(cfg), RENAMES
 LAYOUT_FAMILIES = (mamba2_layouts,)
@@ -59,8 +59,10 @@ def _dtype_rule(config, dtype):
 
 def read_checkpoint(src, *, dtype=None, progress: bool = False) -> Checkpoint:
     """Read a Hugging Face-format checkpoint (any supported layout) into a params pytree of numpy arrays."""
-    directory = resolve(src)
+    directory, hub_id = resolve(src)
     family, layout, config, preferred = detect(directory)
+    if hub_id is not None:
+        directory = fetch_weights(hub_id, directory, preferred)
     files = weight_files(directory, preferred)
     source = TensorSource(files)
     params = convert_tensors(

@@ -22,30 +22,51 @@ class ConversionError(ValueError):
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def resolve(src: str | os.PathLike) -> Path:
-    """A local directory, or a hub id downloaded to the local cache (needs a reachable hub)."""
+def resolve(src: str | os.PathLike) -> tuple[Path, str | None]:
+    """(directory, hub id or None): a local directory as is; for a hub id, its config and
+    tokenizer files only (the weights follow with `fetch_weights`, once the layout is known)."""
     path = Path(src).expanduser()
     if path.is_dir():
-        return path
+        return path, None
     if path.exists():
         raise ConversionError(f"{src}: expected a checkpoint directory, got a file")
     if not _HUB_ID.match(str(src)):
         raise ConversionError(f"{src}: no such directory (and it is not a Hugging Face hub id)")
+    from huggingface_hub import snapshot_download
+
+    directory = _from_hub(str(src), lambda: snapshot_download(str(src), allow_patterns=["*.json", "tokenizer*"]))
+    return Path(directory), str(src)
+
+
+def fetch_weights(repo_id: str, directory: Path, preferred: tuple[str, ...]) -> Path:
+    """Download only the weight files the detected layout reads (a repository such as Codestral's
+    holds both a transformers and a Mistral copy of the weights)."""
+    from huggingface_hub import list_repo_files, snapshot_download
+
+    files = set(_from_hub(repo_id, lambda: list_repo_files(repo_id)))
+    wanted = [name for name in preferred if name in files][:1]
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if not wanted and (directory / index_name).exists():
+            wanted = sorted(set(read_json(directory / index_name).get("weight_map", {}).values()))
+    if not wanted:
+        top = sorted(f for f in files if "/" not in f and f != "consolidated.safetensors")
+        wanted = [f for f in top if f.endswith(".safetensors")] or [f for f in top if f.endswith(".bin")]
+    return Path(_from_hub(repo_id, lambda: snapshot_download(repo_id, allow_patterns=wanted)))
+
+
+def _from_hub(repo_id: str, call):
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
     try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
-    except ImportError:  # pragma: no cover - huggingface_hub is a dependency of transformers
-        raise ConversionError(f"{src}: no such directory, and huggingface_hub is not installed") from None
-    try:
-        return Path(snapshot_download(str(src), allow_patterns=["*.json", "*.safetensors", "*.bin", "tokenizer*"]))
+        return call()
     except (LocalEntryNotFoundError, OfflineModeIsEnabled, OSError) as err:
         raise ConversionError(
-            f"{src}: not a local directory, and the Hugging Face Hub could not be reached to download it "
+            f"{repo_id}: not a local directory, and the Hugging Face Hub could not be reached to download it "
             f"(offline: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', 'unset')}). "
             f"Download it on a machine with hub access and pass the local directory. ({type(err).__name__})"
         ) from None
     except Exception as err:  # repository not found, gated, ...
-        raise ConversionError(f"{src}: could not download from the Hugging Face Hub: {err}") from None
+        raise ConversionError(f"{repo_id}: could not download from the Hugging Face Hub: {err}") from None
 
 
 def read_json(path: Path) -> dict:
