@@ -44,14 +44,48 @@ def save(directory, config, params, *, embedder: dict | None = None, source: str
 
 
 def load(directory):
-    """(config, params, embedder settings) from a converted directory."""
+    """(config, params, embedder settings) from a converted directory, every tensor's shape checked."""
+    from jaxembed import models
+    from jaxembed.config import ConfigError
+    from jaxembed.convert.sources import ConversionError
+
     directory = Path(directory).expanduser().absolute()
-    manifest = json.loads((directory / MANIFEST).read_text())
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{directory / MANIFEST}: unsupported format_version {manifest.get('format_version')}")
-    config = config_from_dict(manifest["config"])
-    params = ocp.StandardCheckpointer().restore(directory / "params")
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise ConversionError(f"unsupported format_version {manifest.get('format_version')!r}")
+        config = config_from_dict(manifest["config"])
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ConfigError, ConversionError) as err:
+        raise ConversionError(f"{directory / MANIFEST}: not a valid jaxembed manifest ({err})") from None
+    if not (directory / "params").is_dir():
+        raise ConversionError(f"{directory}: no params/ checkpoint next to {MANIFEST}")
+    try:
+        params = ocp.StandardCheckpointer().restore(directory / "params")
+    except Exception as err:
+        raise ConversionError(f"{directory / 'params'}: could not restore the orbax checkpoint ({err})") from None
+    problems = _shape_problems(params, models.family(config).param_shapes(config))
+    if problems:
+        raise ConversionError(f"{directory}: params do not match {MANIFEST}'s config:\n  " + "\n  ".join(problems))
     return config, params, manifest.get("embedder", {})
+
+
+OPTIONAL_PARAMS = ("lm_head",)  # a base model without its language-model head embeds just the same
+
+
+def _shape_problems(params, shapes, prefix="") -> list[str]:
+    problems = []
+    for name in sorted(set(params) | set(shapes)):
+        path = f"{prefix}{name}"
+        if name not in shapes:
+            problems.append(f"unexpected {path}")
+        elif name not in params:
+            if name not in OPTIONAL_PARAMS:
+                problems.append(f"missing {path}")
+        elif isinstance(shapes[name], dict):
+            problems += _shape_problems(params[name], shapes[name], path + "/")
+        elif tuple(params[name].shape) != tuple(shapes[name]):
+            problems.append(f"{path}: shape {tuple(params[name].shape)}, expected {tuple(shapes[name])}")
+    return problems
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:

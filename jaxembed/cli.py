@@ -51,6 +51,11 @@ def cmd_convert(args) -> int:
 def cmd_embed(args) -> int:
     import jaxembed
 
+    if args.output is not None:
+        if args.output.suffix not in (".npy", ".jsonl"):
+            raise SystemExit(f"jaxembed embed: --output must end in .npy or .jsonl, got {args.output}")
+        if not args.output.parent.is_dir():
+            raise SystemExit(f"jaxembed embed: --output {args.output}: directory {args.output.parent} does not exist")
     texts = _read_texts(args.inputs)
     if not texts:
         raise SystemExit("jaxembed embed: no input texts")
@@ -69,13 +74,11 @@ def cmd_embed(args) -> int:
         with opened as stream:
             for text, vec in zip(texts, emb):
                 stream.write(json.dumps({"text": text, "embedding": np.round(vec.astype(float), 7).tolist()}) + "\n")
-    elif args.output.suffix == ".npy":
-        np.save(args.output, emb)
     else:
-        raise SystemExit(f"jaxembed embed: --output must end in .npy or .jsonl, got {args.output}")
+        np.save(args.output, emb)
     s = model.last_stats
     print(f"embedded {s['texts']} texts, {s['tokens']} tokens in {s['seconds']:.2f} s "
-          f"({s['tokens_per_second']:.0f} tokens/s)", file=sys.stderr)
+          f"({s['tokens_per_second']:.0f} tokens/s, including the first-call JIT compilation)", file=sys.stderr)
     return 0
 
 

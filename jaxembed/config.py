@@ -45,6 +45,13 @@ class Mamba2Config:
     pad_token_id: int | None = None
 
     def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "d_state", "d_conv", "expand", "head_dim", "n_groups",
+                     "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if len(self.dt_limit) != 2:
+            raise ConfigError(f"dt_limit must be (low, high), got {self.dt_limit!r}")
         object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
         if self.d_inner % self.head_dim:
             raise ConfigError(
@@ -52,9 +59,6 @@ class Mamba2Config:
             )
         if self.n_heads % self.n_groups:
             raise ConfigError(f"n_heads = {self.n_heads} is not a multiple of n_groups = {self.n_groups}")
-        for name in ("vocab_size", "d_model", "n_layers", "d_state", "d_conv", "head_dim", "chunk_size"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
 
     @property
     def d_inner(self) -> int:

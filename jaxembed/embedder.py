@@ -13,6 +13,7 @@ truncated texts.
 
 from __future__ import annotations
 
+import numbers
 import time
 import warnings
 from collections.abc import Sequence
@@ -29,8 +30,8 @@ from jaxembed.schedule import check_chunk_sizes, embed
 QUERY_TEMPLATE = "Instruction: {prompt}\nQuery: "  # Section 3.1; E5 models use "Instruct: {prompt}\nQuery: "
 DEFAULT_SINGLE_SEQUENCE_V = 4096  # Appendix F: batch 1 saturates around V = 4096
 MIN_BUCKET = 16
-# bucket lengths above Q are Q (or V) times one of these: at most ~1.5x padding, few programs
-_MULTIPLIERS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
+# bucket lengths above Q are Q times one of these: few programs, bounded padding
+_MULTIPLIERS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
 # One module-level jit: equal configs hash equal, so every Embedder of a model shares compiled programs.
@@ -44,24 +45,23 @@ def default_vertical_chunk_size(batch_size: int, chunk_size: int) -> int:
     return 2 * chunk_size
 
 
-def bucket_length(n: int, chunk_size: int, vertical_chunk_size: int | None) -> int:
+def bucket_length(n: int, chunk_size: int) -> int:
     """The padded length for a batch whose longest sequence has n tokens.
 
-    Powers of two below Q; multiples of Q up to V; multiples of V beyond, growing by at most
-    1.5x (1.25x for long inputs), so a corpus of mixed lengths compiles a bounded number of
-    programs and never pads by more than half.
+    Powers of two up to Q, then Q times 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 56, 64, ...: a
+    corpus of mixed lengths compiles O(log(max length / Q)) programs, and a batch is padded by
+    at most 2x, 1.5x beyond 2Q and 1.25x beyond 32Q (the chunked SSD computes in whole chunks
+    of Q anyway). Vertical inference runs the t % V tail as a shorter chunk, so no bucket is
+    rounded up to a multiple of V.
     """
     if n <= chunk_size:
-        return max(MIN_BUCKET, min(chunk_size, 1 << max(0, n - 1).bit_length()))
-    unit = chunk_size
-    if vertical_chunk_size is not None and n > vertical_chunk_size:
-        unit = vertical_chunk_size
-    units = -(-n // unit)
+        return min(chunk_size, max(MIN_BUCKET, 1 << max(0, n - 1).bit_length()))
+    units = -(-n // chunk_size)
     for m in _MULTIPLIERS:
         if m >= units:
-            return m * unit
+            return m * chunk_size
     step = 1 << max(0, (units // 4).bit_length() - 1)  # beyond the table: multiples of 2^k, waste < 25%
-    return -(-units // step) * step * unit
+    return -(-units // step) * step * chunk_size
 
 
 def _batch_bucket(n: int, max_rows: int) -> int:
@@ -86,14 +86,16 @@ class Embedder:
     ):
         self.config = config
         self.family = models.family(config)
-        check_chunk_sizes(None, chunk_size or config.chunk_size)
-        self.chunk_size = int(chunk_size or config.chunk_size)
+        chunk_size = config.chunk_size if chunk_size is None else chunk_size
+        check_chunk_sizes(None, chunk_size)
+        self.chunk_size = int(chunk_size)
         self.params = _to_device(params, dtype, getattr(self.family, "FLOAT32_PARAMS", ()))
         self.tokenizer = tokenizer
         if "{prompt}" not in query_template:
             raise ValueError(f"query_template must contain '{{prompt}}', got {query_template!r}")
         self.query_template = query_template
         self.default_instruction = default_instruction
+        _check_positive_int("max_tokens_per_batch", max_tokens_per_batch, optional=True)
         self.max_tokens_per_batch = max_tokens_per_batch
         self.last_stats: dict = {}
 
@@ -126,8 +128,7 @@ class Embedder:
                 "this embedder has no tokenizer: pass tokenizer=... to jaxembed.load (a path, a hub id or a "
                 "transformers tokenizer), or use encode_ids with token ids"
             )
-        if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
-            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+        _check_positive_int("max_length", max_length, optional=True)
         eos = self.eos_token_id
         encoded = self.tokenizer(list(texts), add_special_tokens=True)["input_ids"]
         out, truncated = [], 0
@@ -163,6 +164,8 @@ class Embedder:
         """
         single = isinstance(texts, str)
         texts = [texts] if single else _check_texts(texts)
+        if not texts:
+            return np.empty((0, self.embedding_dim), np.float32)
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
@@ -223,16 +226,18 @@ class Embedder:
     ) -> np.ndarray:
         """Embed token-id sequences used exactly as given (no EOS added): row i is the
         final-norm output at the last token of ids[i]. Returns float32 [n, d]."""
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        _check_positive_int("batch_size", batch_size)
+        _check_positive_int("max_tokens_per_batch", max_tokens_per_batch, optional=True)
         seqs = _check_ids(ids, self.vocab_size)
+        if not seqs:
+            return np.empty((0, self.embedding_dim), np.float32)
         # Appendix F's policy depends on how many sequences run together, not on the batch_size cap
         V = self.resolve_vertical_chunk_size(vertical_chunk_size, min(batch_size, len(seqs)))
-        budget = max_tokens_per_batch or self.max_tokens_per_batch
+        budget = max_tokens_per_batch if max_tokens_per_batch is not None else self.max_tokens_per_batch
         lengths = np.array([len(s) for s in seqs])
         order = np.argsort(-lengths, kind="stable")
         out = np.empty((len(seqs), self.embedding_dim), np.float32)
-        batches = _make_batches(order, lengths, batch_size, budget, lambda n: bucket_length(n, self.chunk_size, V))
+        batches = _make_batches(order, lengths, batch_size, budget, lambda n: bucket_length(n, self.chunk_size))
         total_tokens = int(lengths.sum())
         start = time.perf_counter()
         with tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="embedding",
@@ -269,6 +274,13 @@ def _make_batches(order, lengths, batch_size, budget, bucket):
     return batches
 
 
+def _check_positive_int(name: str, value, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+
+
 def _check_texts(texts) -> list[str]:
     if isinstance(texts, (bytes, bytearray)) or not hasattr(texts, "__iter__"):
         raise TypeError(f"texts must be a string or a sequence of strings, got {type(texts).__name__}")
@@ -298,8 +310,6 @@ def _check_ids(ids, vocab_size: int) -> list[np.ndarray]:
             j = int(bad[0])
             raise ValueError(f"ids[{i}][{j}] = {int(arr[j])} is out of the vocabulary range [0, {vocab_size})")
         seqs.append(arr.astype(np.int32))
-    if not seqs:
-        raise ValueError("ids is empty")
     return seqs
 
 
@@ -313,8 +323,10 @@ def _to_device(params, dtype, keep_float32):
     def cast(path, leaf):
         name = str(getattr(path[-1], "key", ""))
         arr = jnp.asarray(leaf)
-        if dtype is None or not jnp.issubdtype(arr.dtype, jnp.floating):
+        if not jnp.issubdtype(arr.dtype, jnp.floating):
             return arr
+        if dtype is None:  # as stored, but float16 (overflow-prone in long recurrences) runs in float32
+            return arr.astype(jnp.float32) if arr.dtype == jnp.float16 else arr
         return arr.astype(jnp.float32 if name in keep_float32 else dtype)
 
     return jax.tree_util.tree_map_with_path(cast, params)

@@ -17,6 +17,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxembed import models
@@ -108,12 +109,46 @@ def run_layers(cfg, layer_params, x, states, *, chunk_size: int):
     return lax.scan(body, x, (scanned, jnp.arange(n_layers), states))
 
 
-def _vertical_chunks(ids, vertical_chunk_size):
-    """[b, t] -> [k, b, V], right-padding t up to a multiple of V (pads are never pooled)."""
+def _layers(config, params, ids, states, chunk_size):
+    family = models.family(config)
+    return run_layers(config, params["layers"], family.embed_tokens(config, params, ids), states, chunk_size=chunk_size)
+
+
+def _vertically(config, params, ids, V, chunk_size, consume, extra):
+    """Run ids [b, t] through all layers V tokens at a time, carrying one state per layer.
+
+    The t // V full chunks are a `lax.scan`; the t % V remaining tokens run once more from the
+    carried states, so an input is never padded up to a multiple of V. `consume(extra, x, start)`
+    sees each chunk's last-layer output x [b, n, d] (n = V or the tail) starting at token
+    `start`, and returns (extra, per-chunk output or None).
+    """
     b, t = ids.shape
-    pad = -t % vertical_chunk_size
-    ids = jnp.pad(ids, [(0, 0), (0, pad)])
-    return jnp.moveaxis(ids.reshape(b, -1, vertical_chunk_size), 1, 0)
+    full, tail = divmod(t, V)
+    outputs = []
+
+    def step(carry, chunk):
+        states, extra = carry
+        ids_k, start = chunk
+        x, states = _layers(config, params, ids_k, states, chunk_size)
+        extra, out = consume(extra, x, start)
+        return (states, extra), out
+
+    carry = (init_states(config, b), extra)
+    if full:
+        chunks = jnp.moveaxis(ids[:, : full * V].reshape(b, full, V), 1, 0)  # [k, b, V]
+        carry, out = lax.scan(step, carry, (chunks, jnp.arange(full) * V))
+        outputs.append(None if out is None else jnp.moveaxis(out, 0, 1).reshape(b, full * V, -1))
+    if tail:
+        carry, out = step(carry, (ids[:, full * V :], full * V))
+        outputs.append(out)
+    return carry[1], outputs
+
+
+def _check_ids(ids):
+    if ids.ndim != 2:
+        raise ValueError(f"ids must be [batch, time], got shape {ids.shape}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"ids must be integers, got {ids.dtype}")
 
 
 def forward(params, config, ids, *, vertical_chunk_size: int | None = None, chunk_size: int | None = None):
@@ -123,20 +158,30 @@ def forward(params, config, ids, *, vertical_chunk_size: int | None = None, chun
     output itself is O(t), the activations are O(V).
     """
     family = models.family(config)
-    chunk_size = chunk_size or config.chunk_size
+    chunk_size = config.chunk_size if chunk_size is None else chunk_size
     check_chunk_sizes(vertical_chunk_size, chunk_size)
-    b, t = ids.shape
-    states = init_states(config, b)
-    if vertical_chunk_size is None or t <= vertical_chunk_size:
-        x, _ = run_layers(config, params["layers"], family.embed_tokens(config, params, ids), states, chunk_size=chunk_size)
+    ids = jnp.asarray(ids)
+    _check_ids(ids)
+    if vertical_chunk_size is None or ids.shape[1] <= vertical_chunk_size:
+        x, _ = _layers(config, params, ids, init_states(config, ids.shape[0]), chunk_size)
         return family.final_norm(config, params, x)
+    _, outputs = _vertically(config, params, ids, vertical_chunk_size, chunk_size,
+                             lambda extra, x, start: (extra, family.final_norm(config, params, x)), None)
+    return jnp.concatenate(outputs, axis=1)
 
-    def step(states, ids_k):
-        x, states = run_layers(config, params["layers"], family.embed_tokens(config, params, ids_k), states, chunk_size=chunk_size)
-        return states, family.final_norm(config, params, x)
 
-    _, out = lax.scan(step, states, _vertical_chunks(ids, vertical_chunk_size))  # [k, b, V, d]
-    return jnp.moveaxis(out, 0, 1).reshape(b, -1, out.shape[-1])[:, :t]
+def _pooling_positions(lengths, b: int, t: int):
+    """lengths - 1 as int32 [b]; checked when the lengths are concrete (not traced under jit)."""
+    lengths = jnp.asarray(lengths)
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must have shape ({b},) for ids of shape ({b}, {t}), got {lengths.shape}")
+    try:
+        concrete = np.asarray(lengths)
+    except jax.errors.TracerArrayConversionError:
+        concrete = None  # traced: the caller promises 1 <= lengths <= t; the clip keeps pooling in range
+    if concrete is not None and ((concrete < 1) | (concrete > t)).any():
+        raise ValueError(f"lengths must be in [1, {t}] (the pooled position is lengths-1), got {concrete.tolist()}")
+    return jnp.clip(lengths.astype(jnp.int32) - 1, 0, t - 1)
 
 
 def embed(params, config, ids, lengths, *, vertical_chunk_size: int | None = None, chunk_size: int | None = None,
@@ -148,6 +193,7 @@ def embed(params, config, ids, lengths, *, vertical_chunk_size: int | None = Non
       config: the architecture config (static under jit).
       ids: int [b, t], right-padded token ids. Pads may be any valid id.
       lengths: int [b], 1 <= lengths <= t: the pooled position is lengths-1 (the EOS for texts).
+        Checked when concrete; under jit they are clipped into [1, t].
       vertical_chunk_size: None for horizontal inference, or V (a multiple of Q) for
         vertically chunked inference; t <= V falls back to horizontal.
       chunk_size: the intra-layer chunk size Q (default: the config's).
@@ -156,31 +202,26 @@ def embed(params, config, ids, lengths, *, vertical_chunk_size: int | None = Non
       [b, d] float32.
     """
     family = models.family(config)
-    chunk_size = chunk_size or config.chunk_size
+    chunk_size = config.chunk_size if chunk_size is None else chunk_size
     check_chunk_sizes(vertical_chunk_size, chunk_size)
+    ids = jnp.asarray(ids)
+    _check_ids(ids)
     b, t = ids.shape
-    last = jnp.asarray(lengths, jnp.int32) - 1
-    states = init_states(config, b)
+    last = _pooling_positions(lengths, b, t)
     rows = jnp.arange(b)
 
     if vertical_chunk_size is None or t <= vertical_chunk_size:
-        x, _ = run_layers(config, params["layers"], family.embed_tokens(config, params, ids), states, chunk_size=chunk_size)
+        x, _ = _layers(config, params, ids, init_states(config, b), chunk_size)
         pooled = x[rows, last]
     else:
-        V = vertical_chunk_size
+        def consume(pooled, x, start):
+            n = x.shape[1]
+            local = last - start
+            here = (local >= 0) & (local < n)
+            return jnp.where(here[:, None], x[rows, jnp.clip(local, 0, n - 1)].astype(F32), pooled), None
 
-        def step(carry, ids_and_index):
-            states, pooled = carry
-            ids_k, k = ids_and_index
-            x, states = run_layers(config, params["layers"], family.embed_tokens(config, params, ids_k), states, chunk_size=chunk_size)
-            local = last - k * V
-            here = (local >= 0) & (local < V)
-            pooled = jnp.where(here[:, None], x[rows, jnp.clip(local, 0, V - 1)].astype(F32), pooled)
-            return (states, pooled), None
-
-        chunks = _vertical_chunks(ids, V)
-        pooled0 = jnp.zeros((b, config.hidden_size), F32)
-        (_, pooled), _ = lax.scan(step, (states, pooled0), (chunks, jnp.arange(chunks.shape[0])))
+        pooled, _ = _vertically(config, params, ids, vertical_chunk_size, chunk_size, consume,
+                                jnp.zeros((b, config.hidden_size), F32))
 
     out = family.final_norm(config, params, pooled)
     if normalize:

@@ -33,3 +33,14 @@ def test_embed_errors(hf_model_dir, tmp_path, capsys):
     src.write_text("x\n")
     assert main(["embed", str(src), "--model", str(path), "--vertical-chunk-size", "12", "--quiet"]) == 2
     assert "not a multiple of the chunk size" in capsys.readouterr().err
+
+
+def test_embed_checks_the_output_path_first(hf_model_dir, tmp_path):
+    import pytest
+
+    path, _ = hf_model_dir
+    src = tmp_path / "t.txt"
+    src.write_text("x\n")
+    for bad in (tmp_path / "out.txt", tmp_path / "missing_dir" / "out.npy"):
+        with pytest.raises(SystemExit, match="--output"):
+            main(["embed", str(src), "--model", str(path), "-o", str(bad), "--quiet"])

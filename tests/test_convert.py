@@ -90,3 +90,41 @@ def test_unsupported_and_unreadable_checkpoints(tmp_path):
 def test_cli_reports_errors_without_traceback(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_bfloat16_verify_compares_like_with_like(hf_model_dir, tmp_path, capsys):
+    src, _ = hf_model_dir
+    assert main(["convert", str(src), str(tmp_path / "bf16"), "--dtype", "bfloat16", "--verify"]) == 0
+    assert "verify: max relative error" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"d_model": 64, "n_layer": 2, "ssm_cfg": {"layer": "Mamba2", "ngroups": 0}}, "n_groups must be a positive int"),
+    ({"d_model": 64, "ssm_cfg": {"layer": "Mamba2"}}, "missing field 'n_layer'"),
+    ({"d_model": "64", "n_layer": 2, "ssm_cfg": {"layer": "Mamba2"}}, "not a valid Mamba2 config"),
+    ([1, 2, 3], "expected a JSON object"),
+])
+def test_malformed_configs_are_named(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=message):
+        read_checkpoint(tmp_path)
+
+
+def test_converted_directory_is_checked_on_load(hf_model_dir, tmp_path):
+    src, _ = hf_model_dir
+    dst = tmp_path / "converted"
+    assert main(["convert", str(src), str(dst)]) == 0
+    manifest = json.loads((dst / "jaxembed.json").read_text())
+    manifest["config"]["d_model"] = 32
+    (dst / "jaxembed.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConversionError, match=r"layers/in_proj: shape \(2, 64, .*\), expected \(2, 32,"):
+        jaxembed.load(dst)
+
+
+def test_convert_rejects_bad_arguments_before_reading(hf_model_dir, tmp_path, capsys):
+    src, _ = hf_model_dir
+    assert main(["convert", str(src), str(tmp_path / "o"), "--query-template", "no placeholder"]) == 2
+    assert "must contain '{prompt}'" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    (tmp_path / "file").write_text("x")
+    assert main(["convert", str(src), str(tmp_path / "file")]) == 2
+    assert "is not a directory" in capsys.readouterr().err

@@ -30,6 +30,11 @@ class Checkpoint:
     files: list[Path]  # the tensor files read
     family: object  # the layout module (name table, config readers)
 
+    @property
+    def config_family(self):
+        """The model family module (param shapes, float32 params) of this checkpoint's config."""
+        return models.family(self.config)
+
 
 def detect(directory: Path):
     """(family module, layout name, config, preferred weight files) for a checkpoint directory."""
@@ -96,23 +101,36 @@ __all__ = ["Checkpoint", "ConversionError", "read_checkpoint", "detect"]
 
 def convert(src, dst, *, dtype=None, verify: bool = False, tokenizer=None, query_template=None,
             default_instruction=None, progress: bool = True) -> Path:
-    """Convert SRC (directory or hub id) into DST: orbax params, jaxembed.json and tokenizer files."""
+    """Convert SRC (directory or hub id) into DST: orbax params, jaxembed.json and tokenizer files.
+
+    With verify, the PyTorch reference runs first and nothing is written if it disagrees.
+    """
     from jaxembed import checkpoint
     from jaxembed.embedder import QUERY_TEMPLATE, load_tokenizer
 
+    query_template = query_template or QUERY_TEMPLATE
+    if "{prompt}" not in query_template:
+        raise ConversionError(f"query_template must contain '{{prompt}}', got {query_template!r}")
+    dst = Path(dst).expanduser()
+    if dst.exists() and not dst.is_dir():
+        raise ConversionError(f"{dst}: exists and is not a directory")
+    if Path(src).expanduser().exists() and dst.exists() and dst.resolve() == Path(src).expanduser().resolve():
+        raise ConversionError(f"{dst}: the output directory must differ from the source")
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else None
     ck = read_checkpoint(src, dtype=dtype, progress=progress)
-    settings = {"query_template": query_template or QUERY_TEMPLATE}
-    if default_instruction:
-        settings["default_instruction"] = default_instruction
-    out = checkpoint.save(dst, ck.config, ck.params, embedder=settings, source=f"{src} ({ck.layout} layout)")
-    if tokenizer is not None:
-        load_tokenizer(tokenizer).save_pretrained(str(out))
-    else:
-        checkpoint.copy_tokenizer(ck.directory, out)
     if verify:
         from jaxembed.convert.verify import verify as run_verify
 
-        worst = run_verify(ck)
-        if not worst <= 1e-3:
-            raise ConversionError(f"verification failed: max relative error {worst:.2e} against the PyTorch model")
+        worst, tolerance = run_verify(ck)
+        if not worst <= tolerance:
+            raise ConversionError(f"verification failed: max relative error {worst:.2e} > {tolerance:.0e} "
+                                  f"against the PyTorch model; nothing was written")
+    settings = {"query_template": query_template}
+    if default_instruction:
+        settings["default_instruction"] = default_instruction
+    out = checkpoint.save(dst, ck.config, ck.params, embedder=settings, source=f"{src} ({ck.layout} layout)")
+    if tok is not None:
+        tok.save_pretrained(str(out))
+    else:
+        checkpoint.copy_tokenizer(ck.directory, out)
     return out

@@ -111,6 +111,8 @@ def _transformers_config(path: Path) -> Mamba2Config:
         hf = HFMamba2Config.from_json_file(path)
     except Exception as err:
         raise ConversionError(f"{origin}: invalid transformers Mamba2 config ({err})") from None
+    if hf.hidden_act != "silu":
+        raise ConversionError(f"{origin}: hidden_act={hf.hidden_act!r}; only Mamba2 with SiLU is supported")
     if hf.hidden_size * hf.expand != hf.num_heads * hf.head_dim:
         raise ConversionError(
             f"{origin}: hidden_size*expand={hf.hidden_size * hf.expand} != num_heads*head_dim={hf.num_heads * hf.head_dim}"
@@ -141,15 +143,28 @@ def _codestral_config(raw: dict, origin: str) -> Mamba2Config:
 def detect(directory: Path) -> tuple[str, Mamba2Config, tuple[str, ...]] | None:
     """(layout name, config, preferred weight files) if `directory` holds a Mamba2 checkpoint we know."""
     config_json, params_json = directory / "config.json", directory / "params.json"
+    try:
+        return _detect(config_json, params_json)
+    except ConversionError:
+        raise
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as err:
+        origin = config_json if config_json.exists() else params_json
+        detail = f"missing field {err}" if isinstance(err, KeyError) else str(err)
+        raise ConversionError(f"{origin}: not a valid Mamba2 config ({type(err).__name__}: {detail})") from None
+
+
+def _detect(config_json: Path, params_json: Path):
     if config_json.exists():
         raw = read_json(config_json)
+        if not isinstance(raw, dict):
+            raise ConversionError(f"{config_json}: expected a JSON object")
         if raw.get("model_type") == "mamba2":
             return "transformers", _transformers_config(config_json), ()
         if "d_model" in raw and ("ssm_cfg" in raw or "n_layer" in raw):
             return "mamba_ssm", _mamba_ssm_config(raw, str(config_json)), ("pytorch_model.bin", "model.safetensors")
     if params_json.exists():
         raw = read_json(params_json)
-        if "dim" in raw and raw.get("model_type", "mamba") == "mamba":
+        if isinstance(raw, dict) and "dim" in raw and raw.get("model_type", "mamba") == "mamba":
             return "codestral", _codestral_config(raw, str(params_json)), ("consolidated.safetensors",)
     return None
 

@@ -51,8 +51,10 @@ def _d_skip(x, D):
     return x.astype(F32) * (D[:, None] if D.ndim == 1 else D)
 
 
-def _heads_per_group(x, B):
+def _heads_per_group(x, B, C=None):
     h, g = x.shape[2], B.shape[2]
+    if C is not None and C.shape != B.shape:
+        raise ValueError(f"B and C must have the same shape [b, t, g, n], got {B.shape} and {C.shape}")
     if h % g:
         raise ValueError(f"heads ({h}) must be a multiple of groups ({g})")
     return h // g
@@ -120,7 +122,7 @@ def _triangular_sums(a):
 
 def recurrent(x, dt, A, B, C, *, D=None, dt_bias=None, dt_limit=(0.0, math.inf), initial_state=None):
     """Sequential recurrence, a `lax.scan` over time (eq. 3). Returns (y [b,t,h,p], state [b,h,p,n])."""
-    r = _heads_per_group(x, B)
+    r = _heads_per_group(x, B, C)
     state = _check_state(initial_state, x, B)
     dt = discretize_dt(dt, dt_bias, dt_limit)
     decay = jnp.exp(dt * A.astype(F32))  # [b, t, h]
@@ -140,7 +142,7 @@ def recurrent(x, dt, A, B, C, *, D=None, dt_bias=None, dt_limit=(0.0, math.inf),
 
 def quadratic(x, dt, A, B, C, *, D=None, dt_bias=None, dt_limit=(0.0, math.inf), initial_state=None):
     """Full matrix form y = (L ∘ C Bᵀ) x (eq. 6), O(t²); plus the initial state's contribution."""
-    r = _heads_per_group(x, B)
+    r = _heads_per_group(x, B, C)
     state = _check_state(initial_state, x, B)
     dt = discretize_dt(dt, dt_bias, dt_limit)
     a = jnp.moveaxis(dt * A.astype(F32), 1, 2)  # [b, h, t]
@@ -238,7 +240,7 @@ def chunked(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_limit=(0.0, 
     Any t works: the tail is padded to a multiple of chunk_size with dt = 0 (no decay, no input),
     which leaves the final state exactly as after the last real token.
     """
-    _heads_per_group(x, B)
+    _heads_per_group(x, B, C)
     b, t, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     state = _check_state(initial_state, x, B)
