@@ -89,22 +89,27 @@ class Mamba2Config:
         return out
 
 
-CONFIG_CLASSES: dict[str, type] = {"mamba2": Mamba2Config}
+def config_class(architecture: str) -> type:
+    """The config dataclass of an architecture (each model family module defines its `Config`)."""
+    from jaxembed import models
+
+    try:
+        return models.by_name(architecture).Config
+    except ValueError:
+        raise ConfigError(f"unknown architecture {architecture!r}; supported: {models.names()}") from None
 
 
 def config_from_dict(data: dict[str, Any]):
     """Inverse of `to_dict` (the `jaxembed.json` written by the converter)."""
     data = dict(data)
     arch = data.pop("architecture", None)
-    if arch not in CONFIG_CLASSES:
-        raise ConfigError(f"unknown architecture {arch!r}; supported: {sorted(CONFIG_CLASSES)}")
-    cls = CONFIG_CLASSES[arch]
+    cls = config_class(arch) if isinstance(arch, str) else config_class(repr(arch))
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"unknown {arch} config fields: {unknown}")
-    if "dt_limit" in data:
-        data["dt_limit"] = tuple(data["dt_limit"])
+    # JSON/YAML lists -> tuples: configs are hashable (static jit arguments)
+    data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
     try:
         return cls(**data)
     except TypeError as err:  # missing required fields

@@ -96,14 +96,15 @@ def _layer_param_slicer(layer_params):
 
 
 def run_layers(cfg, layer_params, x, states, *, chunk_size: int):
-    """All layers on x [b, t, d], each continuing from its state: a `lax.scan` over stacked layers."""
+    """All layers on the stream x (the residual [b, t, d], or a pytree holding it), each continuing
+    from its state: a `lax.scan` over stacked layers."""
     layer_fn = models.family(cfg).layer
     scanned, params_at = _layer_param_slicer(layer_params)
     n_layers = jax.tree.leaves(layer_params)[0].shape[0]
 
     def body(x, inputs):
         scanned_l, layer, state_l = inputs
-        x, state_l = layer_fn(cfg, params_at(scanned_l, layer), x, state_l, chunk_size=chunk_size)
+        x, state_l = layer_fn(cfg, params_at(scanned_l, layer), x, state_l, chunk_size=chunk_size, index=layer)
         return x, state_l
 
     return lax.scan(body, x, (scanned, jnp.arange(n_layers), states))
@@ -130,7 +131,7 @@ def _vertically(config, params, ids, V, chunk_size, consume, extra):
         states, extra = carry
         ids_k, start = chunk
         x, states = _layers(config, params, ids_k, states, chunk_size)
-        extra, out = consume(extra, x, start)
+        extra, out = consume(extra, models.hidden(config, x), start)
         return (states, extra), out
 
     carry = (init_states(config, b), extra)
@@ -164,7 +165,7 @@ def forward(params, config, ids, *, vertical_chunk_size: int | None = None, chun
     _check_ids(ids)
     if vertical_chunk_size is None or ids.shape[1] <= vertical_chunk_size:
         x, _ = _layers(config, params, ids, init_states(config, ids.shape[0]), chunk_size)
-        return family.final_norm(config, params, x)
+        return family.final_norm(config, params, models.hidden(config, x))
     _, outputs = _vertically(config, params, ids, vertical_chunk_size, chunk_size,
                              lambda extra, x, start: (extra, family.final_norm(config, params, x)), None)
     return jnp.concatenate(outputs, axis=1)
@@ -212,7 +213,7 @@ def embed(params, config, ids, lengths, *, vertical_chunk_size: int | None = Non
 
     if vertical_chunk_size is None or t <= vertical_chunk_size:
         x, _ = _layers(config, params, ids, init_states(config, b), chunk_size)
-        pooled = x[rows, last]
+        pooled = models.hidden(config, x)[rows, last]
     else:
         def consume(pooled, x, start):
             n = x.shape[1]

@@ -14,11 +14,14 @@ import numpy as np
 
 from jaxembed import models
 from jaxembed.convert import mamba2 as mamba2_layouts
+from jaxembed.convert import rwkv7 as rwkv7_layouts
+from jaxembed.convert import xlstm as xlstm_layouts
 from jaxembed.convert.core import convert_tensors
 from jaxembed.convert.sources import ConversionError, TensorSource, fetch_weights, resolve, weight_files
 
-# one entry per model family: detect(dir), rules_for(cfg), ignored_keys(cfg), RENAMES
-LAYOUT_FAMILIES = (mamba2_layouts,)
+# one entry per model family: detect(dir), rules_for(cfg), ignored_keys(cfg), RENAMES, EXPECTS (what
+# detect looks for, in words), reference(checkpoint) (the PyTorch reference run by --verify)
+LAYOUT_FAMILIES = (mamba2_layouts, rwkv7_layouts, xlstm_layouts)
 
 
 @dataclasses.dataclass
@@ -43,10 +46,9 @@ def detect(directory: Path):
         if found is not None:
             return (family, *found)
     present = sorted(p.name for p in directory.iterdir())[:20]
+    expected = "; ".join(family.EXPECTS for family in LAYOUT_FAMILIES)
     raise ConversionError(
-        f"{directory}: not a checkpoint this version can read. Expected a transformers config.json "
-        f"(model_type mamba2), a mamba_ssm config.json (d_model, n_layer, ssm_cfg) or a Codestral params.json; "
-        f"found {present}"
+        f"{directory}: not a checkpoint this version can read. Expected one of: {expected}. Found {present}"
     )
 
 

@@ -14,11 +14,15 @@ Layouts (all share the mixer's parameter names; only prefixes and config files d
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from jaxembed.config import Mamba2Config
 from jaxembed.convert.core import CONV1D_DEPTHWISE, TRANSPOSE, Hook, Rule
 from jaxembed.convert.sources import ConversionError, read_json
+
+EXPECTS = ("Mamba2: a transformers config.json (model_type mamba2), a mamba_ssm config.json "
+           "(d_model, n_layer, ssm_cfg) or a Codestral params.json")
 
 LAYER = "layers.{i}."
 MIXER = LAYER + "mixer."
@@ -183,3 +187,27 @@ def to_transformers_config(cfg: Mamba2Config):
         tie_word_embeddings=cfg.tie_embeddings,
     )
 
+
+
+def reference(checkpoint):
+    """transformers' Mamba2Model (float32) on the source tensors: ids [1, n] -> last-token final-norm output."""
+    import torch
+    from transformers import Mamba2Model
+
+    from jaxembed.convert.verify import rounded_source_tensors
+
+    model = Mamba2Model(to_transformers_config(checkpoint.config)).float().eval()
+    state = {}
+    for raw, tensor in rounded_source_tensors(checkpoint):
+        name = re.sub(r"^embedding\.", "embeddings.", re.sub(r"^(model\.)?(backbone\.)?", "", raw))
+        if not name.startswith("lm_head."):
+            state[name] = torch.from_numpy(tensor)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ConversionError(f"reference model: missing keys {missing}, unexpected keys {unexpected}")
+
+    def run(ids):
+        with torch.no_grad():
+            return model(input_ids=torch.from_numpy(ids)).last_hidden_state[0, -1].double().numpy()
+
+    return run

@@ -172,7 +172,7 @@ def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, chunk_size: int):
     return _linear(y.astype(u.dtype), p["out_proj"], p.get("out_proj_bias")), State(conv_state, ssm_state)
 
 
-def layer(cfg: Mamba2Config, p: dict, x, state: State, *, chunk_size: int):
+def layer(cfg: Mamba2Config, p: dict, x, state: State, *, chunk_size: int, index=None):
     """One residual block: x + mixer(norm(x)). x [b, t, d] is the residual stream."""
     dtype = p["in_proj"].dtype
     u = rms_norm(x, p["norm"], cfg.norm_eps).astype(dtype)

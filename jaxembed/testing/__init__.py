@@ -2,6 +2,8 @@
 
     python -m jaxembed.testing tiny-mamba2 DIR     # a random transformers Mamba2 + tokenizer in DIR
 
+Builders for the other families live in jaxembed.testing.rwkv7 and jaxembed.testing.xlstm.
+
 Everything here is made on the machine: a transformers Mamba2 with every parameter random
 (including the ones its init sets to constants), the same weights written in the mamba_ssm and
 Codestral layouts, and a byte-level BPE tokenizer trained on the Python standard library's
@@ -176,6 +178,3 @@ def main(argv=None) -> int:
     print(f"wrote a random Mamba2 ({args.layers} layers, d_model {args.hidden_size}) and its tokenizer to {args.directory}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

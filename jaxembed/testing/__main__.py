@@ -1,0 +1,5 @@
+import sys
+
+from jaxembed.testing import main
+
+sys.exit(main())
