@@ -19,8 +19,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs" / "models"
 
-# The implementations a benchmark can time. jaxembed is split by schedule in the scripts.
-PEERS = ("mamba2-jax", "torch")
+# The implementations a benchmark can time, besides jaxembed (split by schedule in the scripts).
+# Per architecture: the reference implementations users would otherwise run.
+PEERS_BY_ARCH = {
+    "mamba2": ("mamba2-jax", "torch"),  # PyPI mamba2-jax; transformers Mamba2Model (PyTorch path)
+    "rwkv7": ("rwkv",),  # BlinkDL's pip `rwkv` (RWKV_V7_ON=1, strategy "cpu fp32")
+    "xlstm": ("torch",),  # transformers xLSTMModel (native torch kernels)
+}
+PEERS = tuple(dict.fromkeys(p for peers in PEERS_BY_ARCH.values() for p in peers))
+PEER_LABELS = {"mamba2-jax": "mamba2-jax", "torch": "transformers (PyTorch)", "rwkv": "rwkv (BlinkDL, PyTorch)"}
+
+
+def peers_for(cfg) -> tuple[str, ...]:
+    return PEERS_BY_ARCH[cfg.architecture]
 
 
 # ---- environment --------------------------------------------------------------------------
@@ -114,7 +125,7 @@ def available_memory_mib() -> float:
 
 def versions() -> dict:
     out = {}
-    for name in ("jax", "jaxlib", "torch", "transformers", "flax", "mamba2_jax"):
+    for name in ("jax", "jaxlib", "torch", "transformers", "flax", "mamba2_jax", "rwkv"):
         try:
             mod = __import__(name)
             out[name] = getattr(mod, "__version__", "?")
@@ -147,11 +158,11 @@ def build_jaxembed(cfg, ids, vertical_chunk_size, seed: int = 0, params=None):
     import jax
     import jax.numpy as jnp
 
-    from jaxembed.models import mamba2
+    from jaxembed import models
     from jaxembed.schedule import embed
 
     if params is None:
-        params = mamba2.init_params(cfg, jax.random.key(seed))
+        params = models.family(cfg).init_params(cfg, jax.random.key(seed))
     fn = jax.jit(lambda p, i, n: embed(p, cfg, i, n, vertical_chunk_size=vertical_chunk_size))
     ids_d = jnp.asarray(ids)
     lens = jnp.full((ids.shape[0],), ids.shape[1], jnp.int32)
@@ -198,7 +209,11 @@ def build_mamba2_jax(cfg, ids, seed: int = 0):
 
 
 def build_torch(cfg, ids, threads: int, seed: int = 0):
-    """transformers' Mamba2Model in float32 on CPU: its pure-PyTorch (no CUDA kernels) path."""
+    """transformers' model of the architecture in float32 on CPU (pure-PyTorch paths)."""
+    if cfg.architecture == "xlstm":
+        return build_torch_xlstm(cfg, ids, threads, seed)
+    if cfg.architecture != "mamba2":
+        raise ValueError(f"no transformers peer for {cfg.architecture}")
     import warnings
 
     import torch
@@ -230,13 +245,62 @@ def build_torch(cfg, ids, threads: int, seed: int = 0):
     return run
 
 
+def build_torch_xlstm(cfg, ids, threads: int, seed: int = 0):
+    """transformers' xLSTMModel in float32 with its native torch kernels (what runs on a CPU)."""
+    import torch
+    from transformers import xLSTMModel
+
+    from jaxembed.convert.xlstm import to_transformers_config
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    model = xLSTMModel(to_transformers_config(cfg)).eval().to(torch.float32)
+    ids_t = torch.from_numpy(ids).long()
+
+    def run():
+        with torch.no_grad():
+            return model(input_ids=ids_t).last_hidden_state[:, -1].clone()
+
+    return run
+
+
+def build_rwkv(cfg, ids, threads: int, seed: int = 0):
+    """BlinkDL's `rwkv` package (RWKV_V7_ON=1, "cpu fp32") on a random BlinkDL-layout .pth.
+
+    It runs one sequence per call (no batch axis), so a batch is a loop over rows.
+    """
+    import tempfile
+
+    os.environ["RWKV_V7_ON"] = "1"
+    import torch
+    from rwkv.model import RWKV
+
+    from jaxembed.testing.rwkv7 import write_random_blinkdl
+
+    torch.set_num_threads(threads)
+    directory = Path(tempfile.mkdtemp(prefix="rwkv_peer_"))
+    path = write_random_blinkdl(cfg, directory, seed=seed)
+    model = RWKV(str(path.with_suffix("")), "cpu fp32")
+    model.z["head.weight"] = torch.eye(cfg.hidden_size)  # logits := final-norm output
+    rows = [row.tolist() for row in ids]
+
+    def run():
+        return torch.stack([model.forward(row, None)[0] for row in rows])
+
+    return run
+
+
 def build(method: str, cfg, ids, *, vertical_chunk_size=None, threads: int = 1, seed: int = 0, params=None):
     if method == "jaxembed":
         return build_jaxembed(cfg, ids, vertical_chunk_size, seed, params)
+    if method not in peers_for(cfg):
+        raise ValueError(f"{method!r} is not a peer for {cfg.architecture}; peers: {peers_for(cfg)}")
     if method == "mamba2-jax":
         return build_mamba2_jax(cfg, ids, seed)
     if method == "torch":
         return build_torch(cfg, ids, threads, seed)
+    if method == "rwkv":
+        return build_rwkv(cfg, ids, threads, seed)
     raise ValueError(f"unknown method {method!r}")
 
 

@@ -32,8 +32,6 @@ import _common as common  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = common.CONFIGS / "bench-memory-4l-256.yaml"
-DEFAULT_CSV = HERE / "results" / "speed_memory.csv"
-DEFAULT_PNG = HERE / "results" / "speed_memory.png"
 RESULT_MARK = "@@SPEED_MEMORY_RESULT@@"
 FLATNESS_LIMIT = 1.10
 
@@ -204,15 +202,14 @@ def parent(args) -> int:
         args.memory_limit_mib = min(16384.0, 0.6 * avail) if avail == avail else 16384.0
     from jaxembed.embedder import default_vertical_chunk_size  # imports jax, but runs nothing
 
-    import yaml
-
-    with open(args.config) as f:
-        chunk_size = int(yaml.safe_load(f).get("chunk_size", 256))
     lengths = common.parse_int_list(args.lengths)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    cfg = common.load_config(args.config)
+    chunk_size = cfg.chunk_size
+    peers = common.peers_for(cfg)
+    methods = [m.strip() for m in (args.methods or ",".join(("jaxembed", *peers))).split(",") if m.strip()]
     for m in methods:
-        if m not in ("jaxembed", *common.PEERS):
-            raise SystemExit(f"unknown method {m!r}; use jaxembed, mamba2-jax, torch")
+        if m not in ("jaxembed", *peers):
+            raise SystemExit(f"unknown method {m!r} for {cfg.architecture}; use jaxembed, {', '.join(peers)}")
     vertical: dict[int, str] = {}
     for part in (s.strip() for s in args.vertical.split(",")):
         if part in ("default", "auto"):
@@ -228,9 +225,9 @@ def parent(args) -> int:
         if not args.no_horizontal:
             variants.append(("jaxembed", None, method_label("jaxembed", None)))
         variants += [("jaxembed", V, method_label("jaxembed", V, tag)) for V, tag in vertical.items()]
-    variants += [(m, None, m) for m in common.PEERS if m in methods]
+    variants += [(m, None, common.PEER_LABELS[m]) for m in peers if m in methods]
 
-    print(f"# speed_memory: {Path(args.config).name}  batch={args.batch}  lengths={','.join(map(common.fmt_len, lengths))}"
+    print(f"# speed_memory: {Path(args.config).name} ({cfg.architecture})  batch={args.batch}  lengths={','.join(map(common.fmt_len, lengths))}"
           f"  repeats={args.repeats}  fp32")
     print(f"# CPU: {common.cpu_model()}  threads={env['threads']} (cpus {env['cpus']})  XLA_FLAGS={env['XLA_FLAGS']!r}"
           f"  load avg {os.getloadavg()[0]:.2f}")
@@ -337,7 +334,9 @@ def main(argv=None):
     ap.add_argument("--vertical", default="default,2048",
                     help="vertical chunk sizes V for jaxembed ('default' = jaxembed's policy for the batch size)")
     ap.add_argument("--no-horizontal", action="store_true", help="skip jaxembed horizontal")
-    ap.add_argument("--methods", default="jaxembed,mamba2-jax,torch", help="comma list of jaxembed, mamba2-jax, torch")
+    ap.add_argument("--methods", default=None,
+                    help="comma list of jaxembed and the architecture's peers (default: all; mamba2: mamba2-jax, torch; "
+                         "rwkv7: rwkv; xlstm: torch)")
     ap.add_argument("--peer-max-length", type=lambda s: common.parse_int_list(s)[0], default=128 * 1024,
                     help="longest input the peers are run at; longer points are reported as skipped (default 128k)")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-point wall-clock limit in seconds")
@@ -346,8 +345,9 @@ def main(argv=None):
                          "at the start, at most 16384)")
     ap.add_argument("--threads", type=int, default=2, help="CPUs for every method (affinity, torch and BLAS threads)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--csv", default=str(DEFAULT_CSV), help="output CSV (default: %(default)s)")
-    ap.add_argument("--png", default=str(DEFAULT_PNG), help="output plot (default: %(default)s)")
+    ap.add_argument("--csv", default=None, help="output CSV (default: results/speed_memory.csv for the default config, "
+                                                "else results/speed_memory_<config name>.csv)")
+    ap.add_argument("--png", default=None, help="output plot (default: like --csv, .png)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-hwm-reset", action="store_true",
                     help="do not reset VmHWM after the build (no run-phase peak; ru_maxrss read once at the end)")
@@ -357,6 +357,11 @@ def main(argv=None):
     ap.add_argument("--length", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--vertical-chunk-size", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if not args.worker:
+        default = Path(args.config).resolve() == DEFAULT_CONFIG.resolve()
+        stem = "" if default else "_" + Path(args.config).stem
+        args.csv = args.csv or str(HERE / "results" / f"speed_memory{stem}.csv")
+        args.png = args.png or str(HERE / "results" / f"speed_memory{stem}.png")
     return worker(args) if args.worker else parent(args)
 
 
