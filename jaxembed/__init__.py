@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxembed.config import Mamba2Config
+from jaxembed.config import ConfigError, Mamba2Config, load_config
 from jaxembed.embedder import QUERY_TEMPLATE, Embedder, load_tokenizer
 from jaxembed.schedule import embed, forward
 
@@ -51,4 +51,5 @@ def load(path, *, dtype=None, tokenizer=None, chunk_size=None, query_template=No
     )
 
 
-__all__ = ["load", "embed", "forward", "Embedder", "Mamba2Config", "QUERY_TEMPLATE", "__version__"]
+__all__ = ["load", "load_config", "embed", "forward", "Embedder", "ConfigError", "Mamba2Config", "QUERY_TEMPLATE",
+           "__version__"]

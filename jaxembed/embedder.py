@@ -109,7 +109,7 @@ class Embedder:
 
     @property
     def vocab_size(self) -> int:
-        return self.params["embedding"].shape[0]
+        return self.config.vocab_size
 
     @property
     def eos_token_id(self) -> int:
