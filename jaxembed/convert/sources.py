@@ -28,6 +28,8 @@ def resolve(src: str | os.PathLike) -> tuple[Path, str | None]:
     path = Path(src).expanduser()
     if path.is_dir():
         return path, None
+    if path.is_file() and path.suffix == ".pth":  # a single-file checkpoint (BlinkDL's RWKV7); detect reads it
+        return path, None
     if path.exists():
         raise ConversionError(f"{src}: expected a checkpoint directory, got a file")
     if not _HUB_ID.match(str(src)):

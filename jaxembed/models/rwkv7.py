@@ -1,0 +1,326 @@
+"""RWKV7 ("Goose", x070) as pure functions over a params pytree whose layers are stacked on a leading axis.
+
+Semantics follow BlinkDL's reference (`RWKV_x070_TMix_seq` / `RWKV_x070_CMix_seq` in the rwkv pip
+package); fla-org's `RWKV7Model` computes the same function under other names.
+
+Dimension letters: b batch, t time, d = d_model = h * n, h heads, n head size (key = value head
+dim), f channel-mix width, r_w / r_a / r_v / r_g the low-rank (LoRA) widths, v vocabulary.
+
+params = {
+  "embedding": [v, d],
+  "ln0_weight", "ln0_bias": [d],           # LayerNorm on the embeddings (BlinkDL's blocks.0.ln0)
+  "layers": {                              # every leaf has a leading [n_layers] axis
+    "ln1_weight", "ln1_bias", "ln2_weight", "ln2_bias": [d],
+    "x_r", "x_w", "x_k", "x_v", "x_a", "x_g": [d],      # token-shift mixes of the time mix
+    "w0": [d], "w1": [d, r_w], "w2": [r_w, d],          # decay:  w0 + tanh(x w1) w2
+    "a0": [d], "a1": [d, r_a], "a2": [r_a, d],          # in-context learning rate
+    "v0": [d], "v1": [d, r_v], "v2": [r_v, d],          # value residual gate (unused by layer 0)
+    "g1": [d, r_g], "g2": [r_g, d],                     # output gate: sigmoid(x g1) g2
+    "k_k": [d], "k_a": [d], "r_k": [h, n],
+    "receptance", "key", "value", "output": [d, d],     # x @ W, W [in, out]
+    "ln_x_weight", "ln_x_bias": [d],                    # per-head GroupNorm of the WKV output
+    "ffn_x_k": [d], "ffn_key": [d, f], "ffn_value": [f, d],
+  },
+  "ln_out_weight", "ln_out_bias": [d],
+  "lm_head": [v, d] (optional: embedders never use it),
+}
+
+Between layers the scheduler carries a `Stream`: the residual x and the first layer's values
+(RWKV7's value residual: every later layer mixes them into its own values). The per-layer state
+is the two token-shift inputs and the WKV matrix state; `layer` continues from it for any number
+of tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxembed.config import ConfigError
+from jaxembed.ops import wkv7
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class RWKV7Config:
+    """RWKV7 language model (BlinkDL's x070 / fla's RWKV7Model). d_ffn None means 4 * d_model."""
+
+    architecture: ClassVar[str] = "rwkv7"
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    head_size: int = 64
+    d_ffn: int | None = None
+    decay_low_rank: int = 64
+    a_low_rank: int = 64
+    v_low_rank: int = 32
+    gate_low_rank: int = 128
+    chunk_size: int = 32  # the paper's RWKV7 intra-layer chunk size Q
+    norm_eps: float = 1e-5  # LayerNorms ln0/ln1/ln2/ln_out (torch's default, as in BlinkDL's package)
+    # GroupNorm over each head's WKV output: BlinkDL's package hardcodes 64e-5 for every head size,
+    # fla uses head_dim * norm_eps (the same for head size 64).
+    head_norm_eps: float = 64e-5
+    eos_token_id: int | None = 0  # RWKV World tokenizer: 0 is end of text
+
+    def __post_init__(self):
+        if self.d_ffn is None:
+            object.__setattr__(self, "d_ffn", 4 * self.d_model if isinstance(self.d_model, int) else None)
+        for name in ("vocab_size", "d_model", "n_layers", "head_size", "d_ffn", "decay_low_rank", "a_low_rank",
+                     "v_low_rank", "gate_low_rank", "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.d_model % self.head_size:
+            raise ConfigError(f"d_model = {self.d_model} is not a multiple of head_size = {self.head_size}")
+        if self.chunk_size > wkv7.MAX_CHUNK:
+            raise ConfigError(f"chunk_size = {self.chunk_size} exceeds {wkv7.MAX_CHUNK}, the largest chunk whose "
+                              f"factored decays stay inside float32's range (see jaxembed.ops.wkv7)")
+        for name in ("norm_eps", "head_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+                raise ConfigError(f"{name} must be a float in (0, 1), got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.eos_token_id is not None and (not isinstance(self.eos_token_id, int) or self.eos_token_id < 0):
+            raise ConfigError(f"eos_token_id must be a non-negative int or None, got {self.eos_token_id!r}")
+
+    @property
+    def n_heads(self) -> int:
+        return self.d_model // self.head_size
+
+    @property
+    def hidden_size(self) -> int:
+        """Embedding dimension."""
+        return self.d_model
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"architecture": self.architecture, **dataclasses.asdict(self)}
+
+
+Config = RWKV7Config
+
+
+class Stream(NamedTuple):
+    """What flows between layers."""
+
+    x: jax.Array  # [b, t, d] residual stream, float32
+    v_first: jax.Array  # [b, t, d] layer 0's values (zeros until layer 0 has run), float32
+
+
+class State(NamedTuple):
+    shift_att: jax.Array  # [b, d] the time mix's normalised input at the previous token, float32
+    wkv: jax.Array  # [b, h, n, n] WKV state S [value dim, key dim] per head, float32
+    shift_ffn: jax.Array  # [b, d] the channel mix's normalised input at the previous token, float32
+
+
+def param_shapes(cfg: RWKV7Config) -> dict:
+    """Shape of every parameter (without the layer axis for layer params); the converter checks against it."""
+    d, f = cfg.d_model, cfg.d_ffn
+    vec = (d,)
+    layer = {
+        **{name: vec for name in ("ln1_weight", "ln1_bias", "ln2_weight", "ln2_bias",
+                                  "x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "w0", "a0", "v0", "k_k", "k_a",
+                                  "ln_x_weight", "ln_x_bias", "ffn_x_k")},
+        "w1": (d, cfg.decay_low_rank), "w2": (cfg.decay_low_rank, d),
+        "a1": (d, cfg.a_low_rank), "a2": (cfg.a_low_rank, d),
+        "v1": (d, cfg.v_low_rank), "v2": (cfg.v_low_rank, d),
+        "g1": (d, cfg.gate_low_rank), "g2": (cfg.gate_low_rank, d),
+        "r_k": (cfg.n_heads, cfg.head_size),
+        **{name: (d, d) for name in ("receptance", "key", "value", "output")},
+        "ffn_key": (d, f), "ffn_value": (f, d),
+    }
+    return {
+        "embedding": (cfg.vocab_size, d),
+        "ln0_weight": vec, "ln0_bias": vec,
+        "layers": {k: (cfg.n_layers, *v) for k, v in layer.items()},
+        "ln_out_weight": vec, "ln_out_bias": vec,
+        "lm_head": (cfg.vocab_size, d),
+    }
+
+
+# The decay bias stays float32 when the rest of the model is cast to bfloat16: the decays are
+# computed in float32 from it, and their error compounds over every token the state carries.
+FLOAT32_PARAMS = ("w0",)
+
+
+def init_params(cfg: RWKV7Config, key: jax.Array, dtype=F32) -> dict:
+    """Random parameters in the ranges of a trained RWKV7 (for tests, benchmarks and demos).
+
+    Unlike BlinkDL's training init (zero output projections, zero LoRA down-projections), every
+    matrix is random, so each part of the layer affects the output and checks on it have teeth.
+    """
+    return _init_params(cfg, key, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init_params(cfg: RWKV7Config, key, dtype):
+    # One normal and one uniform draw for all leaves up to 2^24 elements, cut into leaves: each
+    # jax.random call inlines its own sampler, and fifty of them take seconds to compile on CPU.
+    # Larger leaves (a 7B model's matrices) get draws of their own, so no flat copy of them exists.
+    shapes = param_shapes(cfg)
+    L, d, f = cfg.n_layers, cfg.d_model, cfg.d_ffn
+    # leaf path -> (distribution, scale, offset): normal(offset, scale) or uniform(offset, offset + scale)
+    spec = {"embedding": ("normal", 1.0, 0.0), "lm_head": ("normal", d**-0.5, 0.0)}
+    for prefix in ("ln0", "ln_out", "layers/ln1", "layers/ln2", "layers/ln_x"):
+        spec[prefix + "_weight"], spec[prefix + "_bias"] = ("normal", 0.2, 1.0), ("normal", 0.1, 0.0)
+    for name in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "ffn_x_k"):
+        spec["layers/" + name] = ("uniform", 1.0, 0.0)
+    spec |= {
+        "layers/w0": ("uniform", 7.0, -6.0),  # decays from ~0.999 per token to ~0.6
+        "layers/a0": ("normal", 0.5, 0.0), "layers/v0": ("normal", 0.5, 0.0),
+        "layers/k_k": ("normal", 0.2, 0.8), "layers/k_a": ("normal", 0.2, 1.0), "layers/r_k": ("normal", 0.3, 0.0),
+        "layers/receptance": ("normal", d**-0.5, 0.0), "layers/key": ("normal", d**-0.5, 0.0),
+        "layers/value": ("normal", d**-0.5, 0.0), "layers/output": ("normal", (d * L) ** -0.5, 0.0),
+        "layers/ffn_key": ("normal", d**-0.5, 0.0), "layers/ffn_value": ("normal", (f * L) ** -0.5, 0.0),
+    }
+    for m, rank in (("w", cfg.decay_low_rank), ("a", cfg.a_low_rank), ("v", cfg.v_low_rank), ("g", cfg.gate_low_rank)):
+        spec[f"layers/{m}1"], spec[f"layers/{m}2"] = ("normal", d**-0.5, 0.0), ("normal", 0.5 * rank**-0.5, 0.0)
+
+    def shape_of(path):
+        *parents, leaf = path.split("/")
+        return (shapes["layers"] if parents else shapes)[leaf]
+
+    def sample(kind, k, shape):
+        return (jax.random.normal if kind == "normal" else jax.random.uniform)(k, shape, F32)
+
+    big = [path for path in spec if math.prod(shape_of(path)) > 1 << 24]
+    keys = iter(jax.random.split(key, 2 + len(big)))
+    flat = {}
+    for kind in ("normal", "uniform"):
+        size = sum(math.prod(shape_of(p)) for p, (k, _, _) in spec.items() if k == kind and p not in big)
+        flat[kind] = [sample(kind, next(keys), (size,)), 0]  # [draw, offset]
+    params: dict = {"layers": {}}
+    for path, (kind, scale, shift) in spec.items():
+        shape = shape_of(path)
+        if path in big:
+            z = sample(kind, next(keys), shape)
+        else:
+            draw, offset = flat[kind]
+            z = draw[offset : offset + math.prod(shape)].reshape(shape)
+            flat[kind][1] += math.prod(shape)
+        *parents, leaf = path.split("/")
+        (params["layers"] if parents else params)[leaf] = (shift + scale * z).astype(
+            F32 if leaf in FLOAT32_PARAMS else dtype)
+    return params
+
+
+def init_state(cfg: RWKV7Config, batch: int) -> State:
+    """Zero state of one layer; the scheduler stacks it over layers."""
+    d, h, n = cfg.d_model, cfg.n_heads, cfg.head_size
+    return State(jnp.zeros((batch, d), F32), jnp.zeros((batch, h, n, n), F32), jnp.zeros((batch, d), F32))
+
+
+def layer_norm(x, weight, bias, eps):
+    """LayerNorm over the last axis in float32 (biased variance, as torch)."""
+    x = x.astype(F32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    x = x - mean
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * weight.astype(F32) + bias.astype(F32)
+
+
+def _linear(x, w):
+    return jnp.einsum("btd,de->bte", x.astype(w.dtype), w, preferred_element_type=F32)
+
+
+def _token_shift(u, prev):
+    """(previous token's u minus u [b, t, d], u at the last token [b, d]); prev [b, d] is u before this block."""
+    shifted = jnp.concatenate([prev[:, None].astype(F32), u[:, :-1]], axis=1)
+    return shifted - u, u[:, -1]
+
+
+def _heads(x, cfg):
+    return x.reshape(*x.shape[:-1], cfg.n_heads, cfg.head_size)
+
+
+def l2_normalize(x, eps=1e-12):
+    """x / max(|x|, eps) over the last axis: torch.nn.functional.normalize's semantics."""
+    return x / jnp.maximum(jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True)), eps)
+
+
+def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, chunk_size: int):
+    """RWKV7's time mix on the normalised input u [b, t, d].
+
+    Returns (out [b, t, d] float32, shift state [b, d], WKV state [b, h, n, n], v_first [b, t, d]).
+    """
+    delta, shift = _token_shift(u, state.shift_att)
+
+    def mixed(name):  # u + (u_prev - u) * x_name
+        return u + delta * p[name].astype(F32)
+
+    r = _linear(mixed("x_r"), p["receptance"])
+    k = _linear(mixed("x_k"), p["key"])
+    xv = mixed("x_v")
+    v = _linear(xv, p["value"])
+    w_lora = _linear(jnp.tanh(_linear(mixed("x_w"), p["w1"])), p["w2"])
+    a = jax.nn.sigmoid(p["a0"].astype(F32) + _linear(_linear(mixed("x_a"), p["a1"]), p["a2"]))
+    g = _linear(jax.nn.sigmoid(_linear(mixed("x_g"), p["g1"])), p["g2"])
+
+    kk = l2_normalize(_heads(k * p["k_k"].astype(F32), cfg))  # [b, t, h, n], from k before its update
+    k = k * (1.0 + (a - 1.0) * p["k_a"].astype(F32))
+    # Value residual: layer 0's values are the stream's v_first; later layers mix them in.
+    v_gate = jax.nn.sigmoid(p["v0"].astype(F32) + _linear(_linear(xv, p["v1"]), p["v2"]))
+    v_first = jnp.where(is_first, v, v_first)
+    v = jnp.where(is_first, v, v + (v_first - v) * v_gate)
+    # log w in [-exp(-1/2), 0], the range ops/wkv7.chunked's exponent bound relies on
+    log_w = -math.exp(-0.5) * jax.nn.sigmoid(p["w0"].astype(F32) + w_lora)
+
+    rh, kh, vh, ah = (_heads(x, cfg) for x in (r, k, v, a))
+    y, wkv_state = wkv7.chunked(rh, _heads(log_w, cfg), kh, vh, -kk, kk * ah, chunk_size=chunk_size,
+                                initial_state=state.wkv)  # [b, t, h, n]
+    # GroupNorm, one group per head (biased variance), then the per-channel affine
+    mean = jnp.mean(y, axis=-1, keepdims=True)
+    y = y - mean
+    y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + cfg.head_norm_eps)
+    y = y.reshape(u.shape) * p["ln_x_weight"].astype(F32) + p["ln_x_bias"].astype(F32)
+    # the "bonus": the current token's own value, weighted by r·(k ∘ r_k) per head
+    bonus = jnp.sum(rh * kh * p["r_k"].astype(F32), axis=-1, keepdims=True) * vh
+    y = y + bonus.reshape(u.shape)
+    return _linear(y * g, p["output"]), shift, wkv_state, v_first
+
+
+def channel_mix(p: dict, u, prev):
+    """RWKV7's channel mix (squared-ReLU MLP on a token-shifted input). Returns (out [b, t, d], shift state)."""
+    delta, shift = _token_shift(u, prev)
+    k = jax.nn.relu(_linear(u + delta * p["ffn_x_k"].astype(F32), p["ffn_key"])) ** 2
+    return _linear(k, p["ffn_value"]), shift
+
+
+def layer(cfg: RWKV7Config, p: dict, stream: Stream, state: State, *, chunk_size: int, index):
+    """One block: x + time_mix(ln1(x)), then + channel_mix(ln2(x)). `index` (the layer number, traced
+    inside the scheduler's scan) selects layer 0's value-residual role without a Python branch."""
+    x, v_first = stream
+    att, shift_att, wkv_state, v_first = time_mix(
+        cfg, p, layer_norm(x, p["ln1_weight"], p["ln1_bias"], cfg.norm_eps), state, v_first, index == 0,
+        chunk_size=chunk_size)
+    x = x + att
+    ffn, shift_ffn = channel_mix(p, layer_norm(x, p["ln2_weight"], p["ln2_bias"], cfg.norm_eps), state.shift_ffn)
+    return Stream(x + ffn, v_first), State(shift_att, wkv_state, shift_ffn)
+
+
+def embed_tokens(cfg: RWKV7Config, params: dict, ids) -> Stream:
+    """ids [b, t] -> Stream(ln0(embedding[ids]) [b, t, d] float32, zeros for v_first)."""
+    x = layer_norm(jnp.take(params["embedding"], ids, axis=0), params["ln0_weight"], params["ln0_bias"], cfg.norm_eps)
+    return Stream(x, jnp.zeros_like(x))
+
+
+def hidden(stream: Stream):
+    """The residual stream [b, t, d]."""
+    return stream.x
+
+
+def final_norm(cfg: RWKV7Config, params: dict, x):
+    """ln_out of the residual stream (float32 out)."""
+    return layer_norm(x, params["ln_out_weight"], params["ln_out_bias"], cfg.norm_eps)
+
+
+def logits(cfg: RWKV7Config, params: dict, hidden):
+    """Language-model head. hidden [..., d] -> [..., v]."""
+    head = params["lm_head"]
+    return jnp.einsum("...d,vd->...v", hidden.astype(head.dtype), head, preferred_element_type=F32)
