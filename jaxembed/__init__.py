@@ -22,13 +22,14 @@ __version__ = "0.1.0"
 
 
 def load(path, *, dtype=None, tokenizer=None, chunk_size=None, query_template=None, default_instruction=None,
-         max_tokens_per_batch=None) -> Embedder:
+         max_tokens_per_batch=None, kernels="auto") -> Embedder:
     """An `Embedder` from a converted directory (`jaxembed convert`) or a Hugging Face-format
     directory or hub id (transformers, mamba_ssm or Codestral layout, converted in memory).
 
     dtype: None (as stored), "float32" or "bfloat16" weights and activations; states and
     decays stay float32. tokenizer: a path, hub id or tokenizer object (default: the one in
     the directory). chunk_size: the intra-layer chunk size Q (default: the model's).
+    kernels: "auto" (Pallas kernels on GPU, XLA elsewhere), "pallas", "interpret" or "xla".
     """
     from jaxembed import checkpoint
     from jaxembed.convert import read_checkpoint
@@ -48,6 +49,7 @@ def load(path, *, dtype=None, tokenizer=None, chunk_size=None, query_template=No
         query_template=query_template or settings.get("query_template", QUERY_TEMPLATE),
         default_instruction=default_instruction or settings.get("default_instruction"),
         max_tokens_per_batch=max_tokens_per_batch,
+        kernels=kernels,
     )
 
 

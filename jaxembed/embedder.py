@@ -25,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxembed import models
+from jaxembed.kernels import check_backend
 from jaxembed.schedule import check_chunk_sizes, embed
 
 QUERY_TEMPLATE = "Instruction: {prompt}\nQuery: "  # Section 3.1; E5 models use "Instruct: {prompt}\nQuery: "
@@ -35,7 +36,7 @@ _MULTIPLIERS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 1
 
 
 # One module-level jit: equal configs hash equal, so every Embedder of a model shares compiled programs.
-embed_jit = jax.jit(embed, static_argnums=1, static_argnames=("vertical_chunk_size", "chunk_size", "normalize"))
+embed_jit = jax.jit(embed, static_argnums=1, static_argnames=("vertical_chunk_size", "chunk_size", "normalize", "kernels"))
 
 
 def default_vertical_chunk_size(batch_size: int, chunk_size: int) -> int:
@@ -83,8 +84,10 @@ class Embedder:
         query_template: str = QUERY_TEMPLATE,
         default_instruction: str | None = None,
         max_tokens_per_batch: int | None = None,
+        kernels: str = "auto",
     ):
         self.config = config
+        self.kernels = check_backend(kernels)
         self.family = models.family(config)
         chunk_size = config.chunk_size if chunk_size is None else chunk_size
         check_chunk_sizes(None, chunk_size)
@@ -250,7 +253,7 @@ class Embedder:
                     batch[j, : lengths[i]] = seqs[i]
                     batch_lengths[j] = lengths[i]
                 emb = embed_jit(self.params, self.config, batch, batch_lengths, vertical_chunk_size=V,
-                                chunk_size=self.chunk_size, normalize=normalize_embeddings)
+                                chunk_size=self.chunk_size, normalize=normalize_embeddings, kernels=self.kernels)
                 out[rows] = np.asarray(emb[: len(rows)], np.float32)
                 bar.update(int(lengths[rows].sum()))
         elapsed = time.perf_counter() - start

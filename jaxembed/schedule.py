@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxembed import kernels as kernel_backends
 from jaxembed import models
 
 F32 = jnp.float32
@@ -152,12 +153,19 @@ def _check_ids(ids):
         raise TypeError(f"ids must be integers, got {ids.dtype}")
 
 
-def forward(params, config, ids, *, vertical_chunk_size: int | None = None, chunk_size: int | None = None):
+def forward(params, config, ids, *, vertical_chunk_size: int | None = None, chunk_size: int | None = None,
+            kernels: str = "auto"):
     """Final-norm hidden states at every position, [b, t, d] float32 (for checks and mean pooling).
 
     Vertical mode returns the same values as horizontal, computed V tokens at a time; the
-    output itself is O(t), the activations are O(V).
+    output itself is O(t), the activations are O(V). `kernels` picks the chunked operators'
+    backend (see `jaxembed.kernels`).
     """
+    with kernel_backends.use(kernels):
+        return _forward(params, config, ids, vertical_chunk_size, chunk_size)
+
+
+def _forward(params, config, ids, vertical_chunk_size, chunk_size):
     family = models.family(config)
     chunk_size = config.chunk_size if chunk_size is None else chunk_size
     check_chunk_sizes(vertical_chunk_size, chunk_size)
@@ -186,7 +194,7 @@ def _pooling_positions(lengths, b: int, t: int):
 
 
 def embed(params, config, ids, lengths, *, vertical_chunk_size: int | None = None, chunk_size: int | None = None,
-          normalize: bool = True):
+          normalize: bool = True, kernels: str = "auto"):
     """Pure, jit-compatible embedding: the final-norm output at position lengths-1 of each row.
 
     Args:
@@ -199,9 +207,16 @@ def embed(params, config, ids, lengths, *, vertical_chunk_size: int | None = Non
         vertically chunked inference; t <= V falls back to horizontal.
       chunk_size: the intra-layer chunk size Q (default: the config's).
       normalize: L2-normalise the embeddings.
+      kernels: the chunked operators' backend, "auto" (Pallas on GPU, XLA elsewhere), "pallas",
+        "interpret" or "xla" (see `jaxembed.kernels`).
     Returns:
       [b, d] float32.
     """
+    with kernel_backends.use(kernels):
+        return _embed(params, config, ids, lengths, vertical_chunk_size, chunk_size, normalize)
+
+
+def _embed(params, config, ids, lengths, vertical_chunk_size, chunk_size, normalize):
     family = models.family(config)
     chunk_size = config.chunk_size if chunk_size is None else chunk_size
     check_chunk_sizes(vertical_chunk_size, chunk_size)

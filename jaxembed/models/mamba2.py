@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed.config import Mamba2Config
+from jaxembed import kernels
 from jaxembed.ops import ssd
 
 F32 = jnp.float32
@@ -154,7 +155,7 @@ def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, chunk_size: int):
     z, xbc, dt = jnp.split(zxbcdt, [e, e + cfg.conv_dim], axis=-1)
     xbc, conv_state = causal_conv(xbc, state.conv, p["conv_weight"], p.get("conv_bias"))
     x, B, C = jnp.split(xbc.astype(u.dtype), [e, e + gn], axis=-1)
-    y, ssm_state = ssd.chunked(
+    y, ssm_state = kernels.ssd_chunked(
         x.reshape(b, t, h, cfg.head_dim),
         dt,
         -jnp.exp(p["A_log"].astype(F32)),

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed.config import ConfigError
+from jaxembed import kernels
 from jaxembed.ops import wkv7
 
 F32 = jnp.float32
@@ -272,8 +273,8 @@ def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, c
     log_w = -math.exp(-0.5) * jax.nn.sigmoid(p["w0"].astype(F32) + w_lora)
 
     rh, kh, vh, ah = (_heads(x, cfg) for x in (r, k, v, a))
-    y, wkv_state = wkv7.chunked(rh, _heads(log_w, cfg), kh, vh, -kk, kk * ah, chunk_size=chunk_size,
-                                initial_state=state.wkv)  # [b, t, h, n]
+    y, wkv_state = kernels.wkv7_chunked(rh, _heads(log_w, cfg), kh, vh, -kk, kk * ah, chunk_size=chunk_size,
+                                          initial_state=state.wkv)  # [b, t, h, n]
     # GroupNorm, one group per head (biased variance), then the per-channel affine
     mean = jnp.mean(y, axis=-1, keepdims=True)
     y = y - mean

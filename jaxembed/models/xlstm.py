@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed.config import ConfigError
+from jaxembed import kernels
 from jaxembed.ops import mlstm
 
 F32 = jnp.float32
@@ -257,7 +258,9 @@ def mlstm_mixer(cfg: XLSTMConfig, p: dict, u, state: State, *, chunk_size: int):
     o = _linear(u, p["ogate"], p.get("ogate_bias"))
     i = soft_cap(_linear(u, p["igate"], p["igate_bias"]), cfg.gate_soft_cap)  # [b, t, h]
     f = soft_cap(_linear(u, p["fgate"], p["fgate_bias"]), cfg.gate_soft_cap)
-    y, state = mlstm.chunked(q, k, v, i, f, chunk_size=chunk_size, initial_state=state, eps=cfg.eps)
+    # q, k, v in the activation dtype, as the matmul operands of the chunked form (gates and states stay float32)
+    q, k, v = (a.astype(u.dtype) for a in (q, k, v))
+    y, state = kernels.mlstm_chunked(q, k, v, i, f, chunk_size=chunk_size, initial_state=state, eps=cfg.eps)
     y = jax.nn.sigmoid(o) * multihead_layer_norm(y, p["multihead_norm"], p.get("multihead_norm_bias"), cfg.norm_eps)
     return _linear(y.astype(u.dtype), p["out_proj"], p.get("out_proj_bias")), state
 

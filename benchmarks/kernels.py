@@ -1,0 +1,433 @@
+"""Pallas kernels on a GPU: correctness against the XLA references, speed against the peers and
+the roofline, and end-to-end encode with kernels vs the XLA path. Prints markdown tables.
+
+    python benchmarks/kernels.py                     # everything (needs a GPU; exits 2 without one)
+    python benchmarks/kernels.py --only check        # compile + match the references only
+    python benchmarks/kernels.py --only ops --families ssd --lengths 4096 16384
+
+Operator shapes are those of Codestral Mamba 7B (SSD: 128 heads x 64, 8 groups, n = 128),
+RWKV7 7.2B (WKV7: 64 heads, 64 x 64 state) and xLSTM 7B (mLSTM: 8 heads, k = 256, v = 512), in
+bfloat16, batch 1 and 32, T = 4k ... 64k. Peers, when importable: mamba_ssm's Triton
+`mamba_chunk_scan_combined` (from a source tree given by --mamba-src or MAMBA_SSM_SRC, imported
+without its CUDA extension), fla's `chunk_rwkv7`, mlstm_kernels' `mlstm_chunkwise__xl_chunk`.
+The roofline row is max(FLOPs / measured bf16 matmul rate, bytes / measured copy bandwidth),
+with the fewest bytes the operator must move (inputs read once, outputs written once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tarfile
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+FAMILIES = ("ssd", "wkv7", "mlstm")
+SHAPES = {  # per family: the 7B model's operator dims
+    "ssd": dict(h=128, p=64, g=8, n=128, chunk=256, model="Codestral Mamba 7B"),
+    "wkv7": dict(h=64, p=64, n=64, chunk=32, model="RWKV7 7.2B"),
+    "mlstm": dict(h=8, k=256, v=512, chunk=64, model="xLSTM 7B"),
+}
+CONFIGS = {"ssd": "codestral-mamba-7b.yaml", "wkv7": "rwkv7-g0-7.2b.yaml", "mlstm": "xlstm-7b.yaml"}
+
+
+def need_gpu():
+    import jax
+
+    if jax.default_backend() != "gpu":
+        sys.exit(f"benchmarks/kernels.py needs a GPU: jax's default backend is {jax.default_backend()!r} "
+                 f"(devices {jax.devices()}). Nothing was measured.")
+    return jax.devices()[0].device_kind
+
+
+# ---- timing -------------------------------------------------------------------------------
+
+REPS = 10
+
+
+def time_jax(fn, args, reps=None):
+    import jax
+
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps or REPS):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_torch(fn, reps=None):
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps or REPS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def ceilings():
+    """Measured bf16 matmul rate (FLOP/s) and copy bandwidth (bytes read + written per second)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (8192, 8192), jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(1), (8192, 8192), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: a @ b)
+    rate = 2 * 8192**3 / time_jax(mm, (a, b), reps=20)
+    x = jax.random.normal(jax.random.PRNGKey(2), (1 << 30,), jnp.bfloat16)  # 2 GiB
+    cp = jax.jit(lambda x: x + 1)
+    bw = 2 * x.nbytes / time_jax(cp, (x,), reps=20)
+    return rate, bw
+
+
+# ---- inputs -------------------------------------------------------------------------------
+
+def inputs(family, b, t, dtype, key, shape=None):
+    """Random operator inputs in the model's layout (JAX arrays)."""
+    import jax
+    import jax.numpy as jnp
+
+    s = shape or SHAPES[family]
+    ks = jax.random.split(key, 8)
+    nrm = lambda k, shp: jax.random.normal(k, shp, jnp.float32)  # noqa: E731
+    if family == "ssd":
+        h, p, g, n = s["h"], s["p"], s["g"], s["n"]
+        return dict(x=nrm(ks[0], (b, t, h, p)).astype(dtype), dt=nrm(ks[1], (b, t, h)) - 2.0,
+                    A=-jnp.exp(nrm(ks[2], (h,))), B=nrm(ks[3], (b, t, g, n)).astype(dtype),
+                    C=nrm(ks[4], (b, t, g, n)).astype(dtype), D=nrm(ks[5], (h,)), dt_bias=nrm(ks[6], (h,)) * 0.5)
+    if family == "wkv7":
+        h, p, n = s["h"], s["p"], s["n"]
+        kk = nrm(ks[3], (b, t, h, n))
+        kk = kk / jnp.linalg.norm(kk, axis=-1, keepdims=True)
+        gate = jax.nn.sigmoid(nrm(ks[4], (b, t, h, n)))
+        return dict(r=nrm(ks[0], (b, t, h, n)), log_w=-math.exp(-0.5) * jax.nn.sigmoid(nrm(ks[1], (b, t, h, n))),
+                    k=nrm(ks[2], (b, t, h, n)) * 0.3, v=nrm(ks[5], (b, t, h, p)), a=-kk, b=kk * gate)
+    h, dk, dv = s["h"], s["k"], s["v"]
+    return dict(q=nrm(ks[0], (b, t, h, dk)).astype(dtype), k=nrm(ks[1], (b, t, h, dk)).astype(dtype),
+                v=nrm(ks[2], (b, t, h, dv)).astype(dtype), i=nrm(ks[3], (b, t, h)) * 2,
+                f=nrm(ks[4], (b, t, h)) + 3.0)
+
+
+def run_op(family, backend, args, chunk, blocks=None):
+    from jaxembed import kernels
+
+    op = {"ssd": kernels.ssd_chunked, "wkv7": kernels.wkv7_chunked, "mlstm": kernels.mlstm_chunked}[family]
+    a = dict(args)
+    pos = [a.pop(k) for k in {"ssd": ("x", "dt", "A", "B", "C"), "wkv7": ("r", "log_w", "k", "v", "a", "b"),
+                              "mlstm": ("q", "k", "v", "i", "f")}[family]]
+    return op(*pos, chunk_size=chunk, backend=backend, blocks=blocks, **a)
+
+
+def cost(family, b, t, dtype_bytes):
+    """(FLOPs, fewest bytes) of the operator: its matmul work at the kernel's chunk, inputs read
+    once and outputs (y and the final state) written once."""
+    s = SHAPES[family]
+    if family == "ssd":
+        h, p, g, n, L = s["h"], s["p"], s["g"], s["n"], 64
+        flops = 2 * b * t * h * (L * n / 2 + L * p / 2 + 2 * n * p)  # causal C Bᵀ and M x, C Sᵀ, state
+        byts = dtype_bytes * b * t * (2 * h * p + 2 * g * n) + 4 * b * t * h + 4 * b * h * p * n
+    elif family == "wkv7":
+        h, p, n, L = s["h"], s["p"], s["n"], 16
+        flops = 2 * b * t * h * (3 * L * n + 4 * L * n / 2 + 4 * n * p + 2 * L * p + math.log2(L) * L * (L + p))
+        byts = 4 * b * t * h * (5 * n + 2 * p) + 4 * b * h * p * n
+    else:
+        h, dk, dv, L = s["h"], s["k"], s["v"], 64
+        flops = 2 * b * t * h * (L * dk / 2 + L * dv / 2 + 2 * dk * dv)
+        byts = dtype_bytes * b * t * h * (2 * dk + 2 * dv) + 8 * b * t * h + 4 * b * h * dk * dv
+    return flops, byts
+
+
+# ---- peers --------------------------------------------------------------------------------
+
+def import_mamba_ssm(src):
+    """mamba_ssm's Triton SSD without its CUDA extension: stub the package, import the modules."""
+    if src is None:
+        return None, "no mamba_ssm source (--mamba-src / MAMBA_SSM_SRC)"
+    src = Path(src)
+    if src.suffix == ".gz":
+        dest = Path("/tmp/mamba_ssm_src")
+        with tarfile.open(src) as tar:
+            tar.extractall(dest)
+        src = next(dest.glob("mamba_ssm-*"))
+    for name in ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton", "mamba_ssm.utils"):
+        mod = types.ModuleType(name)
+        mod.__path__ = [str(src / name.replace(".", "/"))]
+        sys.modules[name] = mod
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception as e:  # noqa: BLE001 - report why the peer is absent
+        return None, f"mamba_ssm import failed: {type(e).__name__}: {e}"
+    return mamba_chunk_scan_combined, "ok"
+
+
+def torch_inputs(args):
+    import torch
+
+    return {k: torch.from_numpy(np.asarray(v.astype("float32"))).to("cuda").to(
+        torch.bfloat16 if str(v.dtype) == "bfloat16" else torch.float32) for k, v in args.items()}
+
+
+def peer_fn(family, args, peers):
+    """A zero-argument callable running the peer on the same inputs, or (None, why)."""
+    import torch
+
+    ta = torch_inputs(args)
+    if family == "ssd":
+        fn, why = peers["mamba_ssm"]
+        if fn is None:
+            return None, why
+        return (lambda: fn(ta["x"], ta["dt"], ta["A"], ta["B"], ta["C"], SHAPES["ssd"]["chunk"], D=ta["D"],
+                           dt_bias=ta["dt_bias"], dt_softplus=True, return_final_states=True)), "mamba_ssm Triton"
+    if family == "wkv7":
+        try:
+            from fla.ops.rwkv7 import chunk_rwkv7
+        except Exception as e:  # noqa: BLE001
+            return None, f"fla import failed: {type(e).__name__}: {e}"
+        bf = {k: v.to(torch.bfloat16) for k, v in ta.items()}  # fla's kernels are made for bf16 inputs
+        return (lambda: chunk_rwkv7(bf["r"], bf["log_w"], bf["k"], bf["v"], bf["a"], bf["b"], scale=1.0,
+                                    output_final_state=True)), "fla chunk_rwkv7 (bf16 in)"
+    try:
+        from mlstm_kernels.torch.chunkwise.triton_xl_chunk import mlstm_chunkwise__xl_chunk
+    except Exception as e:  # noqa: BLE001
+        return None, f"mlstm_kernels import failed: {type(e).__name__}: {e}"
+    hm = {k: ta[k].transpose(1, 2).contiguous() for k in ("q", "k", "v", "i", "f")}  # [B, NH, S, ...]
+    return (lambda: mlstm_chunkwise__xl_chunk(hm["q"], hm["k"], hm["v"], hm["i"], hm["f"], return_last_states=True,
+                                              chunk_size=128, autocast_kernel_dtype=torch.bfloat16)), \
+        "mlstm_kernels xl_chunk"
+
+
+# ---- sections -----------------------------------------------------------------------------
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def check(rows):
+    """Each kernel compiled for the GPU against its XLA reference (float32 at full matmul precision),
+    odd lengths and non-power-of-two dims, with a random initial state, forward and gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    small = {"ssd": dict(h=6, p=48, g=2, n=40), "wkv7": dict(h=3, p=40, n=48), "mlstm": dict(h=3, k=40, v=72)}
+    for family in FAMILIES:
+        for dtype in (jnp.float32, jnp.bfloat16):
+            for b, t in ((2, 37), (1, 300)):
+                key = jax.random.PRNGKey(b * 1000 + t)
+                args = inputs(family, b, t, dtype, key, small[family])
+                upcast = {k: (v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v) for k, v in args.items()}
+                with jax.default_matmul_precision("highest"):  # exact float32 dots in both
+                    ref = jax.jit(lambda a: run_op(family, "xla", a, 16))(upcast)
+                    out = jax.jit(lambda a: run_op(family, "pallas", a, 16))(args)
+                y_err = rel_err(out[0].astype(jnp.float32), ref[0])
+                s_err = max(rel_err(o, r) for o, r in zip(jax.tree.leaves(out[1]), jax.tree.leaves(ref[1])))
+                first = next(iter(args))
+                loss = lambda a: jnp.sum(run_op(family, "pallas", a, 16)[0].astype(jnp.float32) ** 2)  # noqa: E731
+                grad = jax.jit(jax.grad(loss))(args)[first]
+                finite = bool(jnp.all(jnp.isfinite(grad.astype(jnp.float32))))
+                rows.append(dict(family=family, dtype=jnp.dtype(dtype).name, b=b, t=t, y_rel_err=y_err,
+                                 state_rel_err=s_err, grad_finite=finite))
+                print(f"check {family:5s} {jnp.dtype(dtype).name:8s} b={b} t={t}: y {y_err:.2e} state {s_err:.2e} "
+                      f"grad finite {finite}", flush=True)
+
+
+def ops_table(rows, families, lengths, batches, peers, rate, bw, mem_bytes):
+    import jax
+    import jax.numpy as jnp
+
+    for family in families:
+        for b in batches:
+            for t in lengths:
+                dtype = jnp.bfloat16
+                flops, byts = cost(family, b, t, 2)
+                row = dict(family=family, model=SHAPES[family]["model"], b=b, t=t,
+                           roofline_ms=1e3 * max(flops / rate, byts / bw), gflop=flops / 1e9, gbytes=byts / 1e9)
+                if 6 * byts > 0.8 * mem_bytes:  # inputs, outputs, peers' intermediates
+                    row["note"] = f"skipped: needs ~{6 * byts / 2**30:.0f} GiB"
+                    rows.append(row)
+                    print(row, flush=True)
+                    continue
+                args = inputs(family, b, t, dtype, jax.random.PRNGKey(t + b))
+                chunk = SHAPES[family]["chunk"]
+                for backend in ("pallas", "xla"):
+                    try:
+                        fn = jax.jit(lambda a, backend=backend: run_op(family, backend, a, min(chunk, 64)))
+                        row[f"{backend}_ms"] = 1e3 * time_jax(fn, (args,))
+                    except Exception as e:  # noqa: BLE001 - OOM and the like go in the table
+                        row[f"{backend}_ms"] = None
+                        row.setdefault("note", "")
+                        row["note"] += f" {backend}: {type(e).__name__}: {str(e)[:120]}"
+                    jax.clear_caches()
+                try:
+                    fn, label = peer_fn(family, args, peers)
+                    row["peer"] = label
+                    row["peer_ms"] = None if fn is None else 1e3 * time_torch(fn)
+                except Exception as e:  # noqa: BLE001
+                    row["peer_ms"] = None
+                    row["peer"] = f"failed: {type(e).__name__}: {str(e)[:160]}"
+                del args
+                rows.append(row)
+                print(row, flush=True)
+
+
+SWEEP = {  # (chunk, value_block, num_warps) candidates for the heuristic
+    "ssd": [(64, 32, 4), (64, 64, 4), (64, 64, 8), (128, 32, 8), (32, 64, 4)],
+    "wkv7": [(16, 16, 4), (16, 32, 4), (16, 64, 4), (32, 32, 4), (32, 64, 8)],
+    "mlstm": [(64, 32, 8), (64, 64, 8), (128, 64, 8), (32, 64, 4), (64, 128, 8), (32, 128, 8)],
+}
+
+
+def sweep(rows, families, t=16384, b=1):
+    """Time each BlockSizes candidate on the 7B shapes (the data behind `kernels.heuristic`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxembed.kernels import BlockSizes, heuristic
+
+    for family in families:
+        args = inputs(family, b, t, jnp.bfloat16, jax.random.PRNGKey(7))
+        s = SHAPES[family]
+        default = heuristic(family, key_dim=s.get("n", s.get("k")), value_dim=s.get("p", s.get("v")))
+        for chunk, vb, warps in SWEEP[family] + [(default.chunk, default.value_block, default.num_warps)]:
+            blocks = BlockSizes(chunk=chunk, value_block=vb, num_warps=warps)
+            try:
+                fn = jax.jit(lambda a, blocks=blocks: run_op(family, "pallas", a, 16, blocks))
+                ms = 1e3 * time_jax(fn, (args,))
+            except Exception as e:  # noqa: BLE001
+                ms = f"{type(e).__name__}: {str(e)[:100]}"
+            rows.append(dict(family=family, b=b, t=t, chunk=chunk, value_block=vb, num_warps=warps, ms=ms,
+                             heuristic=blocks == default))
+            print(rows[-1], flush=True)
+            jax.clear_caches()
+
+
+def encode_table(rows, families, layers, lengths):
+    """embed() of a 7B-width model (first `layers` layers, random weights, bfloat16), batch 1,
+    vertically chunked with V = 4096: Pallas kernels vs the XLA chunked path."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxembed import config as config_lib, models
+    from jaxembed.schedule import embed
+
+    for family in families:
+        cfg = config_lib.load_config(ROOT / "configs" / "models" / CONFIGS[family])
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, n_layers=layers)
+        fam = models.family(cfg)
+        params = fam.init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
+        for t in lengths:
+            ids = jax.random.randint(jax.random.PRNGKey(t), (1, t), 0, cfg.vocab_size)
+            lengths_ = jnp.array([t])
+            row = dict(family=family, config=CONFIGS[family], layers=layers, t=t)
+            for backend in ("pallas", "xla"):
+                fn = jax.jit(lambda p, i, n, backend=backend: embed(p, cfg, i, n, vertical_chunk_size=4096,
+                                                                     kernels=backend))
+                try:
+                    row[f"{backend}_s"] = time_jax(fn, (params, ids, lengths_), reps=3)
+                    row[f"{backend}_emb"] = np.asarray(fn(params, ids, lengths_), np.float32)
+                except Exception as e:  # noqa: BLE001
+                    row[f"{backend}_s"] = None
+                    row["note"] = f"{backend}: {type(e).__name__}: {str(e)[:160]}"
+                jax.clear_caches()
+            if row.get("pallas_emb") is not None and row.get("xla_emb") is not None:
+                row["emb_rel_err"] = rel_err(row["pallas_emb"], row["xla_emb"])
+            row.pop("pallas_emb", None), row.pop("xla_emb", None)
+            rows.append(row)
+            print(row, flush=True)
+
+
+def fmt(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(device, rate, bw, check_rows, op_rows, enc_rows):
+    out = [f"Device: {device}; measured bf16 matmul {rate / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s "
+           f"(read + write); {time.strftime('%Y-%m-%d')}.", ""]
+    if check_rows:
+        out += ["| kernel | dtype | b | t | y rel err | state rel err | grad finite |", "|---|---|---|---|---|---|---|"]
+        out += [f"| {r['family']} | {r['dtype']} | {r['b']} | {r['t']} | {r['y_rel_err']:.1e} | "
+                f"{r['state_rel_err']:.1e} | {r['grad_finite']} |" for r in check_rows]
+        out.append("")
+    if op_rows:
+        out += ["| operator (model) | b | T | Pallas ms | XLA ms | peer | peer ms | peer / Pallas | roofline ms | "
+                "Pallas / roofline |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in op_rows:
+            p, pe, rf = r.get("pallas_ms"), r.get("peer_ms"), r["roofline_ms"]
+            out.append(f"| {r['family']} ({r['model']}) | {r['b']} | {r['t']} | {fmt(p)} | {fmt(r.get('xla_ms'))} | "
+                       f"{r.get('peer', '-')} | {fmt(pe)} | {fmt(pe / p if p and pe else None)} | {fmt(rf)} | "
+                       f"{fmt(p / rf if p else None)} |" + (f" {r['note']}" if r.get("note") else ""))
+        out.append("")
+    if enc_rows:
+        out += ["| encode (config, layers) | T | Pallas s | XLA s | XLA / Pallas | emb rel diff |",
+                "|---|---|---|---|---|---|"]
+        for r in enc_rows:
+            p, x = r.get("pallas_s"), r.get("xla_s")
+            out.append(f"| {r['family']} ({r['config']}, {r['layers']}) | {r['t']} | {fmt(p, '.3f')} | "
+                       f"{fmt(x, '.3f')} | {fmt(x / p if p and x else None)} | {fmt(r.get('emb_rel_err'), '.1e')} |"
+                       + (f" {r['note']}" if r.get("note") else ""))
+    return "\n".join(out)
+
+
+def main(argv=None):
+    global REPS
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=("check", "sweep", "ops", "encode"), nargs="*", default=None)
+    ap.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
+    ap.add_argument("--lengths", nargs="*", type=int, default=[4096, 16384, 65536])
+    ap.add_argument("--batches", nargs="*", type=int, default=[1, 32])
+    ap.add_argument("--encode-lengths", nargs="*", type=int, default=[16384])
+    ap.add_argument("--encode-layers", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=REPS, help="timed repetitions (the median is reported)")
+    ap.add_argument("--mamba-src", default=os.environ.get("MAMBA_SSM_SRC"))
+    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "benchmarks" / "results")))
+    args = ap.parse_args(argv)
+    device = need_gpu()
+    REPS = args.reps
+    sections = set(args.only or ("check", "sweep", "ops", "encode"))
+    rate, bw = ceilings()
+    print(f"device {device}: bf16 matmul {rate / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s", flush=True)
+    import jax
+
+    mem = jax.devices()[0].memory_stats().get("bytes_limit", 64 << 30)
+    check_rows, op_rows, enc_rows, sweep_rows = [], [], [], []
+    if "check" in sections:
+        check(check_rows)
+    if "sweep" in sections:
+        sweep(sweep_rows, args.families)
+    if "ops" in sections:
+        peers = {"mamba_ssm": import_mamba_ssm(args.mamba_src)}
+        ops_table(op_rows, args.families, args.lengths, args.batches, peers, rate, bw, mem)
+    if "encode" in sections:
+        encode_table(enc_rows, args.families, args.encode_layers, args.encode_lengths)
+    table = markdown(device, rate, bw, check_rows, op_rows, enc_rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels.md").write_text(table + "\n")
+    (out / "kernels.json").write_text(json.dumps(dict(device=device, check=check_rows, sweep=sweep_rows, ops=op_rows,
+                                                      encode=enc_rows), indent=1, default=str))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

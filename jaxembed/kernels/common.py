@@ -1,0 +1,156 @@
+"""What the three Pallas kernels share: block sizes, padding, the `pallas_call` wrapper and the
+`custom_vjp` whose backward is `jax.vjp` of the `ops/` reference.
+
+Each kernel is one program per (batch row, head, block of value columns) that walks the
+sequence chunk by chunk: the intra-chunk matrix work and the inter-chunk state update are fused
+in one loop, so the state never leaves registers and no per-chunk intermediate (chunk states,
+decay matrices) is written to memory. The loop over chunks is the inter-chunk recurrence (the
+`lax.scan` of `ops/`), run inside the kernel: on a GPU that is one launch instead of one per
+chunk, which matters when T / L is in the thousands.
+
+The GPU lowering is Pallas' Triton backend (explicit `CompilerParams`), the one of jax 0.10-0.11
+that lowers `BlockSpec` kernels with dots, reductions and `fori_loop` on any NVIDIA GPU and runs
+the same kernel body in interpret mode on CPU. (Mosaic GPU, jax's default GPU lowering, wants
+kernels written for Hopper's warpgroups through `plgpu.kernel`; see docs/kernels.md.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+F32 = jnp.float32
+MIN_DOT = 16  # Triton's smallest dot operand dimension
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of one kernel launch.
+
+    chunk:       tokens per chunk L (the intra-chunk matrices are [L, L]); any L gives the same
+                 result up to rounding, so this is free of the model's chunk_size Q.
+    value_block: value columns per program; programs split the value dim (SSD's p, WKV7's p,
+                 mLSTM's v), whose columns evolve independently.
+    num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+    """
+
+    chunk: int = 64
+    value_block: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("chunk", "value_block"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or not _pow2(v) or not MIN_DOT <= v <= 256:
+                raise ValueError(f"BlockSizes.{name} must be a power of two in [{MIN_DOT}, 256], got {v!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"BlockSizes.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 6:
+            raise ValueError(f"BlockSizes.num_stages must be an int in [1, 6], got {self.num_stages!r}")
+
+
+# Per kernel: (chunk L, largest value block, warps), from `benchmarks/kernels.py --only sweep` on an
+# H100 (docs/benchmarks.md). WKV7's factored decays exp(-g) grow with L (<= exp(0.61 L)), so it
+# takes short chunks; SSD and mLSTM take mamba_ssm's 64-token tile.
+_TILES = {"ssd": (64, 64, 4), "wkv7": (16, 32, 4), "mlstm": (64, 64, 8)}
+
+
+def heuristic(kernel: str, *, key_dim: int, value_dim: int) -> BlockSizes:
+    """The one rule: the kernel's tile, with a value block small enough that the carried state
+    [key, value block] stays within 8K float32 values per program (registers, not spills)."""
+    if kernel not in _TILES:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {sorted(_TILES)}")
+    chunk, largest, warps = _TILES[kernel]
+    vb = min(padded(value_dim), largest, max(MIN_DOT, 8192 // padded(key_dim)))
+    return BlockSizes(chunk=chunk, value_block=vb, num_warps=warps, num_stages=2)
+
+
+def padded(d: int) -> int:
+    """Triton tiles are powers of two of at least 16: the size a feature dim is zero-padded to."""
+    return max(MIN_DOT, 1 << (d - 1).bit_length())
+
+
+def pad_axis(a, axis: int, size: int, value=0.0):
+    """Pad `axis` of a at the end up to `size`."""
+    extra = size - a.shape[axis]
+    if extra == 0:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(a, widths, constant_values=value)
+
+
+def check_blocks(blocks: BlockSizes, value_dim: int) -> BlockSizes:
+    if not isinstance(blocks, BlockSizes):
+        raise TypeError(f"blocks must be a jaxembed.kernels.BlockSizes, got {type(blocks).__name__}")
+    return dataclasses.replace(blocks, value_block=min(blocks.value_block, padded(value_dim)))
+
+
+def call(kernel, *, grid, in_specs, out_specs, out_shape, blocks: BlockSizes, interpret: bool, name: str):
+    """`pl.pallas_call` with the Triton lowering on GPU, or the interpreter."""
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pl_triton
+
+        params = pl_triton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                          interpret=interpret, compiler_params=params, name=name)
+
+
+def with_reference_vjp(forward, reference):
+    """forward(*arrays) computed by the kernel, differentiated as `jax.vjp(reference)`.
+
+    The backward recomputes the reference's forward from the saved inputs (no activations are
+    kept), then runs XLA's reverse pass of it: exact gradients of the same function.
+    """
+
+    @jax.custom_vjp
+    def f(*args):
+        return forward(*args)
+
+    def fwd(*args):
+        return forward(*args), args
+
+    def bwd(args, cotangent):
+        _, vjp = jax.vjp(reference, *args)
+        return vjp(cotangent)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def cached(fn):
+    """lru_cache for the per-static-arguments builders (keeps one custom_vjp per configuration)."""
+    return functools.lru_cache(maxsize=None)(fn)
+
+
+def causal_masks(L: int):
+    """(rows >= cols, rows > cols), [L, L] booleans built from iotas inside a kernel."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
+    return rows >= cols, rows > cols
+
+
+_FULL_F32 = {"highest", "float32", "F32_F32_F32"}
+
+
+def dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
+    """2-D matmul with float32 accumulation; trans_* contract over the operand's first/last dim.
+
+    float32 operands follow jax's default_matmul_precision like XLA's own dots: TF32 on the
+    tensor cores by default, exact float32 under `jax.default_matmul_precision("highest")`.
+    """
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    precision = None
+    if a.dtype == F32 and b.dtype == F32 and str(jax.config.jax_default_matmul_precision) in _FULL_F32:
+        precision = jax.lax.Precision.HIGHEST
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)

@@ -1,0 +1,128 @@
+"""Chunkwise mLSTM (xLSTM) as one Pallas kernel; reference: `jaxembed.ops.mlstm.chunked` (same signature).
+
+One program per (batch row b, head h, block of value columns) walks the chunks of L tokens
+carrying the stabilised state (C [k, v], n [k], m) in registers. For one chunk, with bc the
+in-chunk cumulative log forget gate and i the input gate preactivations (float32):
+
+    m_t  = max(bc_t + m, max_{s<=t} (bc_t - bc_s + i_s))           the recurrent max state
+    D    = tril(exp(bc_t - bc_s + i_s - m_t))                       [l, s]
+    h_t  = ((q̂ kᵀ ∘ D) v + exp(bc_t + m - m_t) q̂ C)_t / (max(|den_t|, exp(-m_t)) + eps)
+    C, n, m  <-  the chunk's own state (weights exp(bc_L - bc_s + i_s - m_loc)) merged with the
+                 decayed entering one under m' = max(bc_L + m, m_loc)
+
+exactly `ops.mlstm.chunk_output`, `chunk_local_states` and `chunk_states` fused per chunk. The
+normaliser needs all of n, so every program keeps the full n [k] (a vector) next to its C block.
+Matmul operands are in the activation dtype (the carried C is cast for q̂ C); gates, the D
+matrix, n, m and the accumulation are float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxembed.kernels import common
+from jaxembed.ops import mlstm as ref
+
+F32 = jnp.float32
+
+
+def _kernel(q_ref, k_ref, v_ref, i_ref, bc_ref, C0_ref, n0_ref, m0_ref, h_ref, C_ref, n_ref, m_ref, *,
+            L, n_chunks, scale, eps):
+    causal, _ = common.causal_masks(L)
+
+    def chunk(c, carry):
+        C, n, m = carry  # [k, vb] [k] [] float32
+        t = pl.ds(pl.multiple_of(c * L, L), L)
+        q, k, v = q_ref[t, :], k_ref[t, :], v_ref[t, :]  # [l, k] [l, k] [l, vb]
+        ig, bc = i_ref[t], bc_ref[t]  # [l]
+        log_d = bc[:, None] - bc[None, :] + ig[None, :]  # [l, s]
+        log_inter = bc + m
+        m_row = jnp.maximum(log_inter, jnp.max(jnp.where(causal, log_d, -jnp.inf), axis=1))
+        D = jnp.where(causal, jnp.exp(jnp.minimum(log_d - m_row[:, None], 0.0)), 0.0)
+        S = common.dot(q, k, trans_b=True) * (D * scale)  # [l, s]
+        w = jnp.exp(log_inter - m_row) * scale  # the entering state's weight (<= 1) and q's scale
+        num = common.dot(S.astype(v.dtype), v) + w[:, None] * common.dot(q, C.astype(q.dtype))
+        den = jnp.sum(S, axis=1) + w * jnp.sum(q.astype(F32) * n[None, :], axis=1)
+        h = num / (jnp.maximum(jnp.abs(den), jnp.exp(-m_row)) + eps)[:, None]
+        h_ref[t, :] = h.astype(h_ref.dtype)
+        # the chunk's own end state, stabilised by its own max, merged with the decayed entering state
+        bc_end = jnp.min(bc)  # bc falls monotonically (log σ(f) <= 0): min = the chunk's last entry
+        a = bc_end - bc + ig  # [s]
+        m_loc = jnp.max(a)
+        kw = k.astype(F32) * jnp.exp(a - m_loc)[:, None]  # [s, k]
+        m_new = jnp.maximum(bc_end + m, m_loc)
+        old, new = jnp.exp(bc_end + m - m_new), jnp.exp(m_loc - m_new)
+        C = old * C + new * common.dot(kw.astype(v.dtype), v, trans_a=True)
+        n = old * n + new * jnp.sum(kw, axis=0)
+        return C, n, m_new
+
+    C, n, m = lax.fori_loop(0, n_chunks, chunk, (C0_ref[...], n0_ref[...], m0_ref[...]))
+    C_ref[...], n_ref[...], m_ref[...] = C, n, m
+
+
+def _forward(q, k, v, i, f, C0, n0, m0, *, eps, blocks, interpret):
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    L = blocks.chunk
+    K, V = common.padded(dk), common.padded(dv)
+    vb = blocks.value_block
+    T = t + (-t % L)
+    # padding tokens neither decay (log σ(f) = 0) nor write (i = PAD_I)
+    ig = common.pad_axis(jnp.moveaxis(i.astype(F32), 1, 2), 2, T, ref.PAD_I)  # [b, h, T]
+    logf = common.pad_axis(jnp.moveaxis(jax.nn.log_sigmoid(f.astype(F32)), 1, 2), 2, T)
+    bc = jnp.cumsum(logf.reshape(b, h, T // L, L), axis=-1).reshape(b, h, T)
+    qp, kp = (common.pad_axis(common.pad_axis(x, 1, T), 3, K) for x in (q, k))
+    vp = common.pad_axis(common.pad_axis(v, 1, T), 3, V)
+    C0p = common.pad_axis(common.pad_axis(C0, 2, K), 3, V)
+    n0p = common.pad_axis(n0, 2, K)
+
+    keys = pl.BlockSpec((None, T, None, K), lambda x, y, z: (x, 0, y, 0))
+    values = pl.BlockSpec((None, T, None, vb), lambda x, y, z: (x, 0, y, z))
+    gates = pl.BlockSpec((None, None, T), lambda x, y, z: (x, y, 0))
+    C_spec = pl.BlockSpec((None, None, K, vb), lambda x, y, z: (x, y, 0, z))
+    n_in = pl.BlockSpec((None, None, K), lambda x, y, z: (x, y, 0))
+    m_in = pl.BlockSpec((None, None), lambda x, y, z: (x, y))
+    # every value block computes the same n and m; each writes its own copy (no shared writes)
+    n_out = pl.BlockSpec((None, None, None, K), lambda x, y, z: (x, y, z, 0))
+    m_out = pl.BlockSpec((None, None, None), lambda x, y, z: (x, y, z))
+    nvb = V // vb
+    hh, C, n, m = common.call(
+        lambda *refs: _kernel(*refs, L=L, n_chunks=T // L, scale=dk**-0.5, eps=eps),
+        grid=(b, h, nvb),
+        in_specs=[keys, keys, values, gates, gates, C_spec, n_in, m_in],
+        out_specs=[values, C_spec, n_out, m_out],
+        out_shape=[jax.ShapeDtypeStruct((b, T, h, V), v.dtype), jax.ShapeDtypeStruct((b, h, K, V), F32),
+                   jax.ShapeDtypeStruct((b, h, nvb, K), F32), jax.ShapeDtypeStruct((b, h, nvb), F32)],
+        blocks=blocks, interpret=interpret, name="mlstm_chunked",
+    )(qp, kp, vp, ig, bc, C0p, n0p, m0)
+    return hh[:, :t, :, :dv], ref.State(C[:, :, :dk, :dv], n[:, :, 0, :dk], m[:, :, 0])
+
+
+@common.cached
+def _differentiable(chunk_size, eps, blocks, interpret):
+    def forward(q, k, v, i, f, C0, n0, m0):
+        return _forward(q, k, v, i, f, C0, n0, m0, eps=eps, blocks=blocks, interpret=interpret)
+
+    def reference(q, k, v, i, f, C0, n0, m0):
+        return ref.chunked(q, k, v, i, f, chunk_size=chunk_size, initial_state=ref.State(C0, n0, m0), eps=eps)
+
+    return common.with_reference_vjp(forward, reference)
+
+
+def chunked(q, k, v, i, f, *, chunk_size, initial_state=None, eps=ref.EPS, blocks: common.BlockSizes | None = None,
+            interpret: bool = False):
+    """`ops.mlstm.chunked` computed by the Pallas kernel; gradients are `jax.vjp` of the reference
+    (run with chunk_size). Returns (h [b, t, h, v] in v's dtype, final State)."""
+    state = ref._check(q, k, v, i, f, initial_state)
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if q.shape[1] == 0:
+        raise ValueError("chunked needs at least one token (t >= 1)")
+    dv = v.shape[-1]
+    if blocks is None:
+        blocks = common.heuristic("mlstm", key_dim=q.shape[-1], value_dim=dv)
+    blocks = common.check_blocks(blocks, dv)
+    return _differentiable(chunk_size, float(eps), blocks, bool(interpret))(q, k, v, i, f, *state)

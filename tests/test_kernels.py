@@ -1,0 +1,174 @@
+"""The Pallas kernels, run by Pallas' interpreter on CPU: each against its `ops/` reference on fresh
+random inputs, forward and gradients, float32 and bfloat16, odd lengths and dims that are not
+powers of two, with a random initial state. The interpreter fills every output with NaN before
+the kernel runs (checked below), so an element the kernel never writes cannot pass.
+
+One jit per (kernel, dtype) computes outputs and gradients together: interpret mode costs about
+0.1 ms per grid step, so the grids stay small.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from jaxembed import kernels
+from jaxembed.kernels import BlockSizes, heuristic
+from jaxembed.ops import mlstm, ssd, wkv7
+from jaxembed.testing import hf_last_hidden, rel_err
+
+# Kernel vs reference on the same (rounded) inputs: float32 is exact up to summation order; bfloat16
+# matmul operands (SSD's and mLSTM's decay-weighted matrices, the carried state) round to 8 bits.
+KERNEL_TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
+_draws = iter(np.random.SeedSequence(20261122).spawn(64))  # a fresh stream per test
+
+
+def _normal(rng, shape, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32)
+
+
+def _ssd_case(rng, dtype):
+    b, t, h, p, g, n = 2, 37, 6, 12, 3, 20  # 2 heads per group; p, n padded to 16, 32 inside
+    args = (_normal(rng, (b, t, h, p)).astype(dtype), _normal(rng, (b, t, h)) - 1.0,
+            -jnp.exp(_normal(rng, (h,))), _normal(rng, (b, t, g, n)).astype(dtype),
+            _normal(rng, (b, t, g, n)).astype(dtype), _normal(rng, (h, p)), _normal(rng, (h,), 0.5),
+            _normal(rng, (b, h, p, n)))
+
+    def call(op, x, dt, A, B, C, D, dt_bias, s0, **kw):
+        return op(x, dt, A, B, C, chunk_size=8, D=D, dt_bias=dt_bias, initial_state=s0, **kw)
+
+    return args, call, ssd.chunked, kernels.ssd_chunked
+
+
+def _wkv7_case(rng, dtype):
+    b, t, h, n, p = 1, 37, 3, 24, 20
+    kk = _normal(rng, (b, t, h, n))
+    kk = kk / jnp.linalg.norm(kk, axis=-1, keepdims=True)
+    gate = jax.nn.sigmoid(_normal(rng, (b, t, h, n)))
+    args = tuple(a.astype(dtype) for a in (
+        _normal(rng, (b, t, h, n)), -math.exp(-0.5) * jax.nn.sigmoid(_normal(rng, (b, t, h, n))),
+        _normal(rng, (b, t, h, n), 0.5), _normal(rng, (b, t, h, p)), -kk, kk * gate)) + (
+        _normal(rng, (b, h, p, n)),)
+
+    def call(op, r, lw, k, v, a, bb, s0, **kw):
+        return op(r, lw, k, v, a, bb, chunk_size=16, initial_state=s0, **kw)
+
+    return args, call, wkv7.chunked, kernels.wkv7_chunked
+
+
+def _mlstm_case(rng, dtype):
+    b, t, h, dk, dv = 2, 37, 2, 24, 40
+    args = (_normal(rng, (b, t, h, dk)).astype(dtype), _normal(rng, (b, t, h, dk)).astype(dtype),
+            _normal(rng, (b, t, h, dv)).astype(dtype), _normal(rng, (b, t, h), 3.0), _normal(rng, (b, t, h), 2.0) + 2,
+            _normal(rng, (b, h, dk, dv)), _normal(rng, (b, h, dk)), _normal(rng, (b, h)))
+
+    def call(op, q, k, v, i, f, C0, n0, m0, **kw):
+        return op(q, k, v, i, f, chunk_size=16, initial_state=mlstm.State(C0, n0, m0), **kw)
+
+    return args, call, mlstm.chunked, kernels.mlstm_chunked
+
+
+CASES = {"ssd": _ssd_case, "wkv7": _wkv7_case, "mlstm": _mlstm_case}
+SMALL_BLOCKS = BlockSizes(chunk=16, value_block=16)  # several chunks and value blocks per program grid
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", list(CASES))
+def test_kernel_matches_reference_forward_and_gradients(family, dtype):
+    rng = np.random.default_rng(next(_draws))
+    args, call, reference, dispatch = CASES[family](rng, jnp.dtype(dtype))
+
+    def kernel_fn(*a):
+        return call(dispatch, *a, backend="interpret", blocks=SMALL_BLOCKS)
+
+    def reference_fn(*a):  # the reference on the same rounded inputs, in float32
+        return call(reference, *(x.astype(jnp.float32) for x in a))
+
+    cot_seed = next(_draws)  # the same cotangents for both
+    out, grads = jax.jit(lambda *a: _vjp(kernel_fn, a, cot_seed))(*args)
+    ref_out, ref_grads = jax.jit(lambda *a: _vjp(reference_fn, a, cot_seed))(*args)
+
+    tol = KERNEL_TOLERANCE[dtype]
+    for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref_out), strict=True):
+        assert bool(jnp.all(jnp.isfinite(o.astype(jnp.float32)))), f"{family}: unwritten (NaN) output elements"
+        assert rel_err(o.astype(jnp.float32), r) < tol, (family, dtype, rel_err(o.astype(jnp.float32), r))
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32))))
+        # the backward is the reference's; the cotangents differ only by the forward's rounding
+        assert rel_err(g.astype(jnp.float32), r.astype(jnp.float32)) < tol
+
+
+def _vjp(fn, args, seed):
+    rng = np.random.default_rng(seed)
+    out, vjp = jax.vjp(fn, *args)
+    cot = jax.tree.map(lambda o: jnp.asarray(rng.standard_normal(o.shape), jnp.float32).astype(o.dtype), out)
+    return out, vjp(cot)
+
+
+def test_interpreter_poisons_outputs():
+    """What the NaN checks above rely on: elements a kernel leaves unwritten come back as NaN."""
+
+    def half(x_ref, o_ref):
+        o_ref[:8] = x_ref[:8]
+
+    out = pl.pallas_call(half, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32), interpret=True)(
+        jnp.ones(16, jnp.float32))
+    assert np.all(np.asarray(out[:8]) == 1.0) and np.all(np.isnan(np.asarray(out[8:])))
+
+
+def test_tail_and_single_token():
+    """t = 1 and t just past a chunk boundary (padding inside the kernel) against the recurrence."""
+    rng = np.random.default_rng(next(_draws))
+    for t in (1, 17):
+        x, dt = _normal(rng, (1, t, 2, 16)), _normal(rng, (1, t, 2))
+        A, B, C = -jnp.exp(_normal(rng, (2,))), _normal(rng, (1, t, 1, 16)), _normal(rng, (1, t, 1, 16))
+        y, s = kernels.ssd_chunked(x, dt, A, B, C, chunk_size=8, backend="interpret", blocks=SMALL_BLOCKS)
+        y_ref, s_ref = ssd.recurrent(x, dt, A, B, C)
+        assert rel_err(y, y_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+
+
+def test_embed_with_interpreted_kernels_matches_transformers(hf_model_dir):
+    """The model path through the dispatch: `kernels="interpret"` against transformers' Mamba2,
+    horizontal and vertically chunked."""
+    import jaxembed
+
+    path, model = hf_model_dir
+    emb = jaxembed.load(path, kernels="interpret")
+    rng = np.random.default_rng(next(_draws))
+    seqs = [list(rng.integers(0, 300, n)) for n in (5, 29)]
+    ref = hf_last_hidden(model, seqs)
+    for v in (None, 16):
+        out = emb.encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=v, batch_size=2)
+        assert rel_err(out, ref) < 1e-4, (v, rel_err(out, ref))
+
+
+def test_dispatch_and_block_checks(monkeypatch):
+    assert kernels.resolve("auto") == ("pallas" if jax.default_backend() == "gpu" else "xla")
+    with kernels.use("interpret"):
+        assert kernels.resolve() == "interpret"
+        with kernels.use("xla"):
+            assert kernels.resolve() == "xla"
+        assert kernels.resolve() == "interpret"
+    monkeypatch.setenv("JAXEMBED_KERNELS", "interpret")
+    assert kernels.resolve() == "interpret"
+    with pytest.raises(ValueError, match="kernels backend must be one of"):
+        kernels.resolve("triton")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(RuntimeError, match="needs a GPU"):
+            kernels.resolve("pallas")
+    with pytest.raises(ValueError, match="chunk must be a power of two"):
+        BlockSizes(chunk=48)
+    with pytest.raises(ValueError, match="num_warps"):
+        BlockSizes(num_warps=3)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        heuristic("lstm", key_dim=64, value_dim=64)
+    assert heuristic("ssd", key_dim=128, value_dim=64) == BlockSizes(chunk=64, value_block=64, num_warps=4)
+    assert heuristic("mlstm", key_dim=256, value_dim=512).value_block == 32  # state tile [256, 32]
+    with pytest.raises(ValueError, match="exceeds"):
+        x = jnp.zeros((1, 4, 1, 16))
+        kernels.wkv7_chunked(x, x, x, x, x, x, chunk_size=16, backend="interpret", blocks=BlockSizes(chunk=128))
