@@ -191,23 +191,9 @@ def to_transformers_config(cfg: Mamba2Config):
 
 def reference(checkpoint):
     """transformers' Mamba2Model (float32) on the source tensors: ids [1, n] -> last-token final-norm output."""
-    import torch
     from transformers import Mamba2Model
 
-    from jaxembed.convert.verify import rounded_source_tensors
+    from jaxembed.convert.verify import transformers_reference
 
     model = Mamba2Model(to_transformers_config(checkpoint.config)).float().eval()
-    state = {}
-    for raw, tensor in rounded_source_tensors(checkpoint):
-        name = re.sub(r"^embedding\.", "embeddings.", re.sub(r"^(model\.)?(backbone\.)?", "", raw))
-        if not name.startswith("lm_head."):
-            state[name] = torch.from_numpy(tensor)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ConversionError(f"reference model: missing keys {missing}, unexpected keys {unexpected}")
-
-    def run(ids):
-        with torch.no_grad():
-            return model(input_ids=torch.from_numpy(ids)).last_hidden_state[0, -1].double().numpy()
-
-    return run
+    return transformers_reference(model, checkpoint, r"^(model\.)?(backbone\.)?")

@@ -37,6 +37,31 @@ def rounded_source_tensors(checkpoint) -> Iterator[tuple[str, np.ndarray]]:
         yield raw, tensor.astype(np.float32)
 
 
+def transformers_reference(model, checkpoint, prefix: str, **call_kwargs):
+    """Load the source tensors (renamed: `prefix` regex stripped, embedding -> embeddings, no
+    lm_head) into a float32 transformers `model` and return run(ids [1, n]) -> the last token's
+    final-norm output, float64 [d]."""
+    import re
+
+    import torch
+
+    state = {}
+    for raw, tensor in rounded_source_tensors(checkpoint):
+        name = re.sub(r"^embedding\.", "embeddings.", re.sub(prefix, "", raw))
+        if not name.startswith("lm_head."):
+            state[name] = torch.from_numpy(tensor)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ConversionError(f"reference model: missing keys {missing}, unexpected keys {unexpected}")
+
+    def run(ids):
+        with torch.no_grad():
+            out = model(input_ids=torch.from_numpy(ids), **call_kwargs).last_hidden_state
+        return out[0, -1].double().numpy()
+
+    return run
+
+
 def _available_memory() -> int | None:
     try:
         with open("/proc/meminfo") as f:

@@ -16,7 +16,6 @@ projections as fused matrices; named hooks slice them into the separate params.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from jaxembed.config import ConfigError
@@ -196,25 +195,9 @@ def build_transformers_model(cfg: XLSTMConfig):
 def reference(checkpoint):
     """transformers' xLSTMModel (float32, native torch kernels) on the source tensors:
     ids [1, n] -> final-norm (out_norm) output at the last token."""
-    import torch
+    from jaxembed.convert.verify import transformers_reference
 
-    from jaxembed.convert.verify import rounded_source_tensors
-
-    model = build_transformers_model(checkpoint.config)
-    state = {}
-    for raw, tensor in rounded_source_tensors(checkpoint):
-        name = re.sub(r"^embedding\.", "embeddings.", re.sub(r"^backbone\.", "", raw))
-        if not name.startswith("lm_head."):
-            state[name] = torch.from_numpy(tensor)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ConversionError(f"reference model: missing keys {missing}, unexpected keys {unexpected}")
-
-    def run(ids):
-        with torch.no_grad():
-            # no cache: transformers sizes its cache with the config's rounded-up qk_dim, which differs
-            # from the layer's int(d_model * qk_dim_factor) unless that is a multiple of 64
-            out = model(input_ids=torch.from_numpy(ids), use_cache=False).last_hidden_state
-        return out[0, -1].double().numpy()
-
-    return run
+    # no cache: transformers sizes its cache with the config's rounded-up qk_dim, which differs
+    # from the layer's int(d_model * qk_dim_factor) unless that is a multiple of 64
+    return transformers_reference(build_transformers_model(checkpoint.config), checkpoint, r"^backbone\.",
+                                  use_cache=False)
