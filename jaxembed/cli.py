@@ -1,4 +1,5 @@
-"""Command line: `jaxembed convert SRC DST` and `jaxembed embed --model PATH [FILES]`."""
+"""Command line: `jaxembed convert SRC DST`, `jaxembed embed --model PATH [FILES]`, `jaxembed train CONFIG.yaml`
+and `jaxembed corpus stdlib OUT_DIR`."""
 
 from __future__ import annotations
 
@@ -82,6 +83,40 @@ def cmd_embed(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from jaxembed.train.config import load_train_config
+    from jaxembed.train.trainer import Trainer, initialize_distributed
+
+    cfg = load_train_config(args.config)
+    overrides = {k: v for k, v in (("max_steps", args.max_steps),) if v is not None}
+    if overrides:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **overrides))
+    initialize_distributed(cfg)
+    trainer = Trainer(cfg, show_progress=not args.quiet)
+    print(f"data: {trainer.report.summary()}; {trainer.steps_per_epoch} steps per epoch, {trainer.total_steps} steps",
+          file=sys.stderr)
+    rows = trainer.run()
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    for r in evals:
+        print("eval " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+              file=sys.stderr)
+    if cfg.output and not args.no_export:
+        out = trainer.export()
+        if out is not None:
+            print(f"exported the merged model to {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_corpus(args) -> int:
+    from jaxembed.train.corpus import build_stdlib_corpus
+
+    counts = build_stdlib_corpus(args.out_dir, heldout_fraction=args.heldout_fraction, seed=args.seed)
+    print(json.dumps(counts))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxembed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -111,6 +146,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-normalize", action="store_true", help="skip L2 normalisation")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_embed)
+
+    p = sub.add_parser("train", help="fine-tune with InfoNCE and LoRA/QLoRA adapters (configs/train/*.yaml)")
+    p.add_argument("config", type=Path, help="training config yaml")
+    p.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
+    p.add_argument("--no-export", action="store_true", help="skip writing the merged model to `output`")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("corpus", help="build the standard-library code-search corpus (train/heldout jsonl)")
+    p.add_argument("kind", choices=["stdlib"])
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--heldout-fraction", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_corpus)
     return parser
 
 

@@ -132,17 +132,7 @@ class Embedder:
                 "transformers tokenizer), or use encode_ids with token ids"
             )
         _check_positive_int("max_length", max_length, optional=True)
-        eos = self.eos_token_id
-        encoded = self.tokenizer(list(texts), add_special_tokens=True)["input_ids"]
-        out, truncated = [], 0
-        for ids in encoded:
-            ids = list(ids)
-            if not ids or ids[-1] != eos:
-                ids.append(eos)
-            if max_length is not None and len(ids) > max_length:
-                ids = ids[: max_length - 1] + [eos]
-                truncated += 1
-            out.append(ids)
+        out, truncated = tokenize_texts(self.tokenizer, texts, self.eos_token_id, max_length)
         if truncated:
             warnings.warn(f"max_length={max_length}: truncated {truncated} of {len(out)} texts", stacklevel=3)
         return out
@@ -260,6 +250,21 @@ class Embedder:
         self.last_stats = {"texts": len(seqs), "tokens": total_tokens, "seconds": elapsed,
                            "tokens_per_second": total_tokens / max(elapsed, 1e-9), "batches": len(batches)}
         return out
+
+
+def tokenize_texts(tokenizer, texts, eos: int, max_length: int | None = None) -> tuple[list[list[int]], int]:
+    """(token ids with EOS appended, number of texts cut to max_length). A cut text keeps its EOS."""
+    encoded = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+    out, truncated = [], 0
+    for ids in encoded:
+        ids = list(ids)
+        if not ids or ids[-1] != eos:
+            ids.append(eos)
+        if max_length is not None and len(ids) > max_length:
+            ids = ids[: max_length - 1] + [eos]
+            truncated += 1
+        out.append(ids)
+    return out, truncated
 
 
 def _make_batches(order, lengths, batch_size, budget, bucket):

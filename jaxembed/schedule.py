@@ -96,9 +96,13 @@ def _layer_param_slicer(layer_params):
     return scanned, params_at
 
 
-def run_layers(cfg, layer_params, x, states, *, chunk_size: int):
+def run_layers(cfg, layer_params, x, states, *, chunk_size: int, remat: bool = False):
     """All layers on the stream x (the residual [b, t, d], or a pytree holding it), each continuing
-    from its state: a `lax.scan` over stacked layers."""
+    from its state: a `lax.scan` over stacked layers.
+
+    remat: rematerialise each layer in the backward pass (`jax.checkpoint` around the scan body),
+    so a gradient keeps one residual stream per layer instead of every layer's activations.
+    """
     layer_fn = models.family(cfg).layer
     scanned, params_at = _layer_param_slicer(layer_params)
     n_layers = jax.tree.leaves(layer_params)[0].shape[0]
@@ -108,15 +112,18 @@ def run_layers(cfg, layer_params, x, states, *, chunk_size: int):
         x, state_l = layer_fn(cfg, params_at(scanned_l, layer), x, state_l, chunk_size=chunk_size, index=layer)
         return x, state_l
 
+    if remat:
+        body = jax.checkpoint(body, prevent_cse=False)  # inside a scan CSE cannot defeat the remat
     return lax.scan(body, x, (scanned, jnp.arange(n_layers), states))
 
 
-def _layers(config, params, ids, states, chunk_size):
+def _layers(config, params, ids, states, chunk_size, remat=False):
     family = models.family(config)
-    return run_layers(config, params["layers"], family.embed_tokens(config, params, ids), states, chunk_size=chunk_size)
+    return run_layers(config, params["layers"], family.embed_tokens(config, params, ids), states,
+                      chunk_size=chunk_size, remat=remat)
 
 
-def _vertically(config, params, ids, V, chunk_size, consume, extra):
+def _vertically(config, params, ids, V, chunk_size, consume, extra, remat=False):
     """Run ids [b, t] through all layers V tokens at a time, carrying one state per layer.
 
     The t // V full chunks are a `lax.scan`; the t % V remaining tokens run once more from the
@@ -131,7 +138,7 @@ def _vertically(config, params, ids, V, chunk_size, consume, extra):
     def step(carry, chunk):
         states, extra = carry
         ids_k, start = chunk
-        x, states = _layers(config, params, ids_k, states, chunk_size)
+        x, states = _layers(config, params, ids_k, states, chunk_size, remat)
         extra, out = consume(extra, models.hidden(config, x), start)
         return (states, extra), out
 
@@ -194,7 +201,7 @@ def _pooling_positions(lengths, b: int, t: int):
 
 
 def embed(params, config, ids, lengths, *, vertical_chunk_size: int | None = None, chunk_size: int | None = None,
-          normalize: bool = True, kernels: str = "auto"):
+          normalize: bool = True, kernels: str = "auto", remat: bool = False):
     """Pure, jit-compatible embedding: the final-norm output at position lengths-1 of each row.
 
     Args:
@@ -209,14 +216,15 @@ def embed(params, config, ids, lengths, *, vertical_chunk_size: int | None = Non
       normalize: L2-normalise the embeddings.
       kernels: the chunked operators' backend, "auto" (Pallas on GPU, XLA elsewhere), "pallas",
         "interpret" or "xla" (see `jaxembed.kernels`).
+      remat: rematerialise each layer under differentiation (training); no effect on the value.
     Returns:
       [b, d] float32.
     """
     with kernel_backends.use(kernels):
-        return _embed(params, config, ids, lengths, vertical_chunk_size, chunk_size, normalize)
+        return _embed(params, config, ids, lengths, vertical_chunk_size, chunk_size, normalize, remat)
 
 
-def _embed(params, config, ids, lengths, vertical_chunk_size, chunk_size, normalize):
+def _embed(params, config, ids, lengths, vertical_chunk_size, chunk_size, normalize, remat=False):
     family = models.family(config)
     chunk_size = config.chunk_size if chunk_size is None else chunk_size
     check_chunk_sizes(vertical_chunk_size, chunk_size)
@@ -227,7 +235,7 @@ def _embed(params, config, ids, lengths, vertical_chunk_size, chunk_size, normal
     rows = jnp.arange(b)
 
     if vertical_chunk_size is None or t <= vertical_chunk_size:
-        x, _ = _layers(config, params, ids, init_states(config, b), chunk_size)
+        x, _ = _layers(config, params, ids, init_states(config, b), chunk_size, remat)
         pooled = models.hidden(config, x)[rows, last]
     else:
         def consume(pooled, x, start):
@@ -237,7 +245,7 @@ def _embed(params, config, ids, lengths, vertical_chunk_size, chunk_size, normal
             return jnp.where(here[:, None], x[rows, jnp.clip(local, 0, n - 1)].astype(F32), pooled), None
 
         pooled, _ = _vertically(config, params, ids, vertical_chunk_size, chunk_size, consume,
-                                jnp.zeros((b, config.hidden_size), F32))
+                                jnp.zeros((b, config.hidden_size), F32), remat)
 
     out = family.final_norm(config, params, pooled)
     if normalize:

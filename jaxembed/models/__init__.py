@@ -5,7 +5,7 @@
     layer(cfg, params_l, stream, state_l, *, chunk_size, index) -> (stream, state_l),
                                                          continuing from state_l; index is the layer number
     embed_tokens(cfg, params, ids) -> stream, final_norm(cfg, params, hidden),
-    param_shapes(cfg), init_params(cfg, key), FLOAT32_PARAMS
+    param_shapes(cfg), init_params(cfg, key), FLOAT32_PARAMS, LINEAR_PARAMS (the x @ W layer matrices)
 
 and optionally `hidden(stream)`: the residual stream [b, t, d] when a family carries more than
 that between layers (RWKV7 carries the first layer's values too); default: the stream itself.

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed.config import Mamba2Config
-from jaxembed import kernels
+from jaxembed import kernels, weights
 from jaxembed.ops import ssd
 
 F32 = jnp.float32
@@ -68,6 +68,10 @@ def param_shapes(cfg: Mamba2Config) -> dict:
 
 # Decay and skip parameters stay float32 when the rest of the model is cast to bfloat16.
 FLOAT32_PARAMS = ("dt_bias", "A_log", "D")
+
+
+# Layer matrices used as x @ W [d_in, d_out]: the "all linear layers" that LoRA adapts and NF4 quantises.
+LINEAR_PARAMS = ("in_proj", "out_proj")
 
 
 def init_params(cfg: Mamba2Config, key: jax.Array, dtype=F32) -> dict:
@@ -123,8 +127,8 @@ def rms_norm(x, weight, eps, group_size=None):
 
 
 def _linear(x, w, b=None):
-    y = jnp.einsum("btd,de->bte", x, w.astype(x.dtype), preferred_element_type=F32)
-    return y if b is None else y + b.astype(F32)
+    """x @ w (+ b) with the operands in x's dtype, float32 out; w may be a LoRA/NF4 weight."""
+    return weights.linear(x, w, bias=b)
 
 
 def silu(x):

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed.config import ConfigError
-from jaxembed import kernels
+from jaxembed import kernels, weights
 from jaxembed.ops import wkv7
 
 F32 = jnp.float32
@@ -150,6 +150,11 @@ def param_shapes(cfg: RWKV7Config) -> dict:
 FLOAT32_PARAMS = ("w0",)
 
 
+# Layer matrices used as x @ W [d_in, d_out]: the "all linear layers" that LoRA adapts and NF4 quantises.
+LINEAR_PARAMS = ("receptance", "key", "value", "output", "w1", "w2", "a1", "a2", "v1", "v2", "g1", "g2",
+                 "ffn_key", "ffn_value")
+
+
 def init_params(cfg: RWKV7Config, key: jax.Array, dtype=F32) -> dict:
     """Random parameters in the ranges of a trained RWKV7 (for tests, benchmarks and demos).
 
@@ -227,7 +232,8 @@ def layer_norm(x, weight, bias, eps):
 
 
 def _linear(x, w):
-    return jnp.einsum("btd,de->bte", x.astype(w.dtype), w, preferred_element_type=F32)
+    """x @ w with the operands in w's dtype, float32 out; w may be a LoRA/NF4 weight."""
+    return weights.linear(x, w, w.dtype)
 
 
 def _token_shift(u, prev):

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed.config import ConfigError
-from jaxembed import kernels
+from jaxembed import kernels, weights
 from jaxembed.ops import mlstm
 
 F32 = jnp.float32
@@ -181,6 +181,10 @@ def param_shapes(cfg: XLSTMConfig) -> dict:
 FLOAT32_PARAMS = ()
 
 
+# Layer matrices used as x @ W [d_in, d_out]: the "all linear layers" that LoRA adapts and NF4 quantises.
+LINEAR_PARAMS = ("q", "k", "v", "ogate", "igate", "fgate", "out_proj", "ffn_gate", "ffn_up", "ffn_down")
+
+
 def init_params(cfg: XLSTMConfig, key: jax.Array, dtype=F32) -> dict:
     """Random parameters with transformers' xLSTM initialisation (for tests, benchmarks and training
     from scratch): small-init normals, Wang-init output projections, zero gate weights with input-gate
@@ -244,8 +248,8 @@ def soft_cap(x, cap):
 
 
 def _linear(x, w, b=None):
-    y = jnp.einsum("btd,de->bte", x, w.astype(x.dtype), preferred_element_type=F32)
-    return y if b is None else y + b.astype(F32)
+    """x @ w (+ b) with the operands in x's dtype, float32 out; w may be a LoRA/NF4 weight."""
+    return weights.linear(x, w, bias=b)
 
 
 def mlstm_mixer(cfg: XLSTMConfig, p: dict, u, state: State, *, chunk_size: int):

@@ -1,0 +1,1 @@
+"""Fine-tuning: InfoNCE loss, LoRA/QLoRA adapters, data, sharded steps, the trainer."""

@@ -1,0 +1,214 @@
+"""The training run's config: one YAML file, checked field by field (unknown keys are errors).
+
+    model:       {path | init, tokenizer, dtype, kernels, chunk_size, seed}
+    data:        {train, heldout, negatives_per_query, max_tokens, query_template, instructions}
+    lora:        {rank, alpha, targets}
+    quantization: null | nf4
+    train:       {batch_size, grad_cache_size, remat, learning_rate, warmup_steps, weight_decay,
+                  temperature, epochs, max_steps, seed}
+    mesh:        {data, fsdp}
+    checkpoint:  {directory, every, keep}
+    eval:        {every, k, max_queries, batch_size}
+    distributed: null | {coordinator, num_processes, process_id}
+    output:      where the merged model is exported (a directory `jaxembed.load` reads)
+    log:         metrics jsonl (default: <checkpoint.directory>/../metrics.jsonl)
+
+See configs/train/*.yaml for complete examples, the paper's runs among them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from jaxembed.config import ConfigError
+from jaxembed.embedder import QUERY_TEMPLATE
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    path: str | None = None  # converted or Hugging Face directory
+    init: str | None = None  # or a model config yaml (configs/models/...): random weights, for demos and tests
+    tokenizer: str | None = None  # path or hub id; "stdlib-bpe:N" trains an N-token BPE on local text
+    dtype: str = "bfloat16"  # activations and base weights; adapters and optimizer state are float32
+    kernels: str = "auto"
+    chunk_size: int | None = None
+    seed: int = 0  # for `init`
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    train: tuple[str, ...] = ()
+    heldout: str | None = None
+    negatives_per_query: int = 1
+    max_tokens: int = 512
+    query_template: str = QUERY_TEMPLATE
+    instructions: dict = dataclasses.field(default_factory=dict)  # source -> instruction when a record has none
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSection:
+    rank: int = 16
+    alpha: float = 16.0
+    targets: tuple[str, ...] | str = "all"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+    batch_size: int = 2048
+    grad_cache_size: int | None = None  # queries per GradCache sub-batch; None: whole batch at once
+    remat: bool = True
+    learning_rate: float = 4e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    temperature: float = 0.02
+    epochs: int = 1
+    max_steps: int | None = None
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    data: int = -1
+    fsdp: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    directory: str = "runs/checkpoints"
+    every: int = 100
+    keep: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+    every: int = 0  # 0: only before the first and after the last step (when data.heldout is set)
+    k: int = 10
+    max_queries: int | None = None
+    batch_size: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSection:
+    coordinator: str | None = None  # host:port of process 0; None: jax's cluster auto-detection
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    lora: LoraSection = LoraSection()
+    quantization: str | None = None
+    train: TrainSection = TrainSection()
+    mesh: MeshSection = MeshSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    eval: EvalSection = EvalSection()
+    distributed: DistributedSection | None = None
+    output: str | None = None
+    log: str | None = None
+
+    def __post_init__(self):
+        if (self.model.path is None) == (self.model.init is None):
+            raise ConfigError("model: give exactly one of `path` (a checkpoint) and `init` (a model config for random weights)")
+        if not self.data.train:
+            raise ConfigError("data.train: no training files given")
+        if self.quantization not in (None, "nf4"):
+            raise ConfigError(f"quantization must be null or 'nf4', got {self.quantization!r}")
+        if self.model.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"model.dtype must be float32 or bfloat16, got {self.model.dtype!r}")
+        if "{prompt}" not in self.data.query_template:
+            raise ConfigError(f"data.query_template must contain '{{prompt}}', got {self.data.query_template!r}")
+        t = self.train
+        for name in ("batch_size", "epochs", "warmup_steps"):
+            if getattr(t, name) < (0 if name == "warmup_steps" else 1):
+                raise ConfigError(f"train.{name} must be {'>= 0' if name == 'warmup_steps' else 'positive'}, got {getattr(t, name)}")
+        if t.grad_cache_size is not None and (t.grad_cache_size < 1 or t.batch_size % t.grad_cache_size):
+            raise ConfigError(f"train.grad_cache_size={t.grad_cache_size} must divide train.batch_size={t.batch_size}")
+        if t.max_steps is not None and t.max_steps < 1:
+            raise ConfigError(f"train.max_steps must be positive or null, got {t.max_steps}")
+        if t.temperature <= 0 or t.learning_rate <= 0:
+            raise ConfigError("train.temperature and train.learning_rate must be positive")
+        if self.data.negatives_per_query < 0 or self.data.max_tokens < 2:
+            raise ConfigError("data.negatives_per_query must be >= 0 and data.max_tokens >= 2")
+        if self.checkpoint.every < 1 or self.checkpoint.keep < 1:
+            raise ConfigError("checkpoint.every and checkpoint.keep must be positive")
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.log) if self.log else Path(self.checkpoint.directory).parent / "metrics.jsonl"
+
+
+def _build(cls, raw, where: str):
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where + ': ' if where else ''}unknown key(s) {unknown}; known: {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in raw.items():
+        values[name] = _coerce(hints[name], value, f"{where}.{name}" if where else name)
+    try:
+        return cls(**values)
+    except TypeError as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def _coerce(hint, value, where):
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{where}: may not be null")
+    errors = []
+    for option in options:
+        if option is type(None):
+            continue
+        if dataclasses.is_dataclass(option):
+            return _build(option, value, where)
+        origin = typing.get_origin(option)
+        if origin is tuple:
+            items = [value] if isinstance(value, str) else value
+            if isinstance(items, list) and all(isinstance(v, str) for v in items):
+                return tuple(items)
+            errors.append("a list of strings")
+        elif option is dict or origin is dict:
+            if isinstance(value, dict):
+                return dict(value)
+            errors.append("a mapping")
+        elif option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        elif option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        elif option in (str, bool) and isinstance(value, option):
+            return value
+        else:
+            errors.append(getattr(option, "__name__", str(option)))
+    raise ConfigError(f"{where}: expected {' or '.join(errors)}, got {value!r}")
+
+
+def load_train_config(path) -> TrainConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such training config file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({err})") from None
+    try:
+        return _build(TrainConfig, raw or {}, "")
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def config_from_dict(raw: dict) -> TrainConfig:
+    return _build(TrainConfig, raw, "")

@@ -1,0 +1,275 @@
+"""A small real code-search corpus from the CPython standard library sources on this machine.
+
+Every function or method with a docstring becomes one record: the query is the docstring's summary (its
+first paragraph, whitespace-normalised) and the positive is the function's source with the docstring
+removed. Hard negatives are other functions of the same module. The split is by top-level module, so no
+held-out module is seen in training. The output depends only on the Python version's stdlib and the
+arguments, and is byte-identical across runs::
+
+    python -m jaxembed.train.corpus OUT_DIR [--heldout-fraction F] [--seed S] [--negatives K] [--max-per-module N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import sys
+import sysconfig
+import textwrap
+import time
+import tokenize
+import warnings
+import zlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+SOURCE = "stdlib-code"
+INSTRUCTION = "Given a docstring summary, retrieve the Python function that implements it"
+SKIP_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip", "site-packages",
+                       "__pycache__"})
+MIN_SUMMARY_WORDS = 4
+MIN_BODY_STATEMENTS = 2
+MIN_BODY_CHARS = 40
+
+
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _module_files(root: Path, modules: Iterable[str] | None) -> list[tuple[str, Path]]:
+    """(top-level module name, file) for every stdlib .py file to use, sorted."""
+    wanted = None if modules is None else set(modules)
+    out: list[tuple[str, Path]] = []
+    for entry in sorted(root.iterdir(), key=lambda p: p.name):
+        if entry.is_file() and entry.suffix == ".py" and entry.stem.isidentifier():
+            if wanted is None or entry.stem in wanted:
+                out.append((entry.stem, entry))
+        elif (entry.is_dir() and entry.name.isidentifier() and entry.name not in SKIP_DIRS
+              and (entry / "__init__.py").is_file() and (wanted is None or entry.name in wanted)):
+            for dirpath, dirnames, filenames in os.walk(entry):
+                dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and d.isidentifier())
+                out.extend((entry.name, Path(dirpath) / f) for f in sorted(filenames) if f.endswith(".py"))
+    return sorted(out, key=lambda mf: (mf[0], mf[1].relative_to(root).as_posix()))
+
+
+def _summary(doc: str) -> str:
+    """The docstring's first paragraph, whitespace-normalised."""
+    lines: list[str] = []
+    for line in doc.strip().splitlines():
+        if not line.strip():
+            break
+        lines.append(line)
+    return " ".join(" ".join(lines).split())
+
+
+def _split_lines(data: bytes) -> list[bytes]:
+    """Lines with their ends, split only at \\r\\n, \\n and \\r as the tokenizer does (bytes.splitlines also
+    splits at form feeds and other separators, which would shift the line numbers)."""
+    return re.findall(rb"[^\r\n]*(?:\r\n|\n|\r|$)", data)[:-1] if data else []
+
+
+def _line_text(lines: list[bytes], lineno: int) -> bytes:
+    return lines[lineno - 1].rstrip(b"\r\n")
+
+
+def _function_records(source: str, tree: ast.AST, module: str, relpath: str) -> list[dict]:
+    """(query, positive, ...) for every documented, non-trivial function of one parsed file, in source order."""
+    blines = _split_lines(source.encode("utf-8"))
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        doc = ast.get_docstring(node, clean=True)
+        if not doc:
+            continue
+        query = _summary(doc)
+        if len(query.split()) < MIN_SUMMARY_WORDS:
+            continue
+        body = node.body[1:]
+        if len(body) < MIN_BODY_STATEMENTS:
+            continue
+        doc_stmt = node.body[0]
+        # The docstring must sit on lines of its own (not `def f(): "doc"; ...`), so removing its lines is exact.
+        first, last = _line_text(blines, doc_stmt.lineno), _line_text(blines, doc_stmt.end_lineno)
+        if (doc_stmt.lineno <= node.lineno or first[: doc_stmt.col_offset].strip()
+                or last[doc_stmt.end_col_offset:].strip() or body[0].lineno <= doc_stmt.end_lineno):
+            continue
+        if blines[node.lineno - 1][: node.col_offset].strip():
+            continue
+        # The function's lines, the last one cut where the function ends (a trailing comment goes): the text of
+        # ast.get_source_segment(padded=True), which re-splits the whole file on every call (quadratic).
+        seg_lines = [b.rstrip(b"\r\n").decode("utf-8") for b in blines[node.lineno - 1: node.end_lineno]]
+        seg_lines[-1] = _line_text(blines, node.end_lineno)[: node.end_col_offset].decode("utf-8")
+        drop_from, drop_to = doc_stmt.lineno - node.lineno, doc_stmt.end_lineno - node.lineno
+        kept = seg_lines[:drop_from] + seg_lines[drop_to + 1:]
+        positive = textwrap.dedent("\n".join(kept)).strip("\n")
+        body_text = "\n".join(seg_lines[body[0].lineno - node.lineno:])
+        if len("".join(body_text.split())) < MIN_BODY_CHARS:
+            continue
+        if query in " ".join(positive.split()):
+            continue  # the summary also appears in the code (e.g. a nested function with the same docstring)
+        out.append({"query": query, "positive": positive, "module": module,
+                    "name": f"{relpath}:{node.lineno}:{node.name}"})
+    out.sort(key=lambda r: int(r["name"].split(":")[1]))
+    return out
+
+
+def collect_functions(root: Path | None = None, modules: Iterable[str] | None = None) -> tuple[list[dict], dict]:
+    """All usable functions of the stdlib (or of `modules` only), sorted by (module, file, line), deduplicated
+    by query and by positive (the first occurrence is kept). Also returns file counts."""
+    root = Path(root) if root is not None else stdlib_dir()
+    records: list[dict] = []
+    n_files = n_skipped = 0
+    for module, path in _module_files(root, modules):
+        relpath = path.relative_to(root).as_posix()
+        try:
+            with tokenize.open(path) as f:
+                source = f.read()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # SyntaxWarning (invalid escapes) in old stdlib code
+                tree = ast.parse(source, filename=str(path))
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            n_skipped += 1
+            continue
+        n_files += 1
+        records.extend(_function_records(source, tree, module, relpath))
+    seen_q: set[str] = set()
+    seen_p: set[str] = set()
+    unique = []
+    for r in records:
+        if r["query"] in seen_q or r["positive"] in seen_p:
+            continue
+        seen_q.add(r["query"])
+        seen_p.add(r["positive"])
+        unique.append(r)
+    return unique, {"files": n_files, "skipped_files": n_skipped}
+
+
+def _split_modules(counts: dict[str, int], heldout_fraction: float, seed: int) -> set[str]:
+    """Held-out modules: walk the modules in the order of crc32(seed:module) and take each one that brings the
+    held-out row count closer to heldout_fraction of all rows."""
+    target = heldout_fraction * sum(counts.values())
+    order = sorted(counts, key=lambda m: (zlib.crc32(f"{seed}:{m}".encode()), m))
+    heldout: set[str] = set()
+    rows = 0
+    for m in order:
+        if abs(rows + counts[m] - target) < abs(rows - target):
+            heldout.add(m)
+            rows += counts[m]
+    return heldout
+
+
+def _add_negatives(rows: list[dict], k: int, seed: int, split: str) -> None:
+    """`k` negatives per row: other functions of the same module, then (small modules) of other modules."""
+    if not k:
+        for r in rows:
+            r["negatives"] = []
+        return
+    if len(rows) <= k:
+        raise ValueError(f"the {split} split has {len(rows)} functions: too few for {k} distinct negatives each")
+    by_module: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_module.setdefault(r["module"], []).append(i)
+    for module in sorted(by_module):
+        idx = by_module[module]
+        rng = np.random.default_rng([seed, zlib.crc32(f"{split}:{module}".encode())])
+        others_everywhere = None
+        for i in idx:
+            same = [j for j in idx if j != i]
+            picked = [same[j] for j in rng.permutation(len(same))[:k]] if same else []
+            if len(picked) < k:
+                if others_everywhere is None:
+                    others_everywhere = [j for j in range(len(rows)) if rows[j]["module"] != module]
+                extra = rng.choice(len(others_everywhere), size=k - len(picked), replace=False)
+                picked += [others_everywhere[j] for j in sorted(extra)]
+            rows[i]["negatives"] = [rows[j]["positive"] for j in picked]
+
+
+def build_stdlib_corpus(
+    out_dir: str | os.PathLike,
+    *,
+    heldout_fraction: float = 0.2,
+    seed: int = 0,
+    max_per_module: int | None = None,
+    negatives: int = 1,
+    modules: Iterable[str] | None = None,
+    stdlib: str | os.PathLike | None = None,
+) -> dict:
+    """Write ``train.jsonl`` and ``heldout.jsonl`` (the `jaxembed.train.data` schema plus ``module`` and ``name``)
+    into `out_dir`; return the counts.
+
+    `max_per_module` keeps at most that many functions per top-level module (a seeded choice, kept in source
+    order); `modules` restricts the corpus to those top-level modules; `stdlib` overrides the stdlib directory.
+    Texts are never truncated.
+    """
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction!r}")
+    if seed < 0 or negatives < 0 or (max_per_module is not None and max_per_module < 1):
+        raise ValueError(
+            f"need seed >= 0, negatives >= 0, max_per_module >= 1; got {seed}, {negatives}, {max_per_module}"
+        )
+    modules = None if modules is None else sorted(set(modules))
+    root = Path(stdlib) if stdlib is not None else stdlib_dir()
+    records, files = collect_functions(root, modules)
+    if not records:
+        raise ValueError(f"no usable functions found under {root}" + (f" for modules {modules}" if modules else ""))
+
+    by_module: dict[str, list[dict]] = {}
+    for r in records:
+        by_module.setdefault(r["module"], []).append(r)
+    if max_per_module is not None:
+        for m, rs in by_module.items():
+            if len(rs) > max_per_module:
+                rng = np.random.default_rng([seed, zlib.crc32(m.encode())])
+                by_module[m] = [rs[i] for i in sorted(rng.choice(len(rs), size=max_per_module, replace=False))]
+    heldout_modules = _split_modules({m: len(rs) for m, rs in by_module.items()}, heldout_fraction, seed)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    counts: dict = {}
+    for split in ("train", "heldout"):
+        in_split = [m for m in sorted(by_module) if (m in heldout_modules) == (split == "heldout")]
+        rows = [dict(r) for m in in_split for r in by_module[m]]
+        if rows:
+            _add_negatives(rows, negatives, seed, split)
+        with open(out_dir / f"{split}.jsonl", "w", encoding="utf-8", newline="\n") as f:
+            for r in rows:
+                f.write(json.dumps({"query": r["query"], "positive": r["positive"], "negatives": r["negatives"],
+                                    "instruction": INSTRUCTION, "source": SOURCE, "module": r["module"],
+                                    "name": r["name"]}, ensure_ascii=False) + "\n")
+        counts[f"{split}_rows"] = len(rows)
+        counts[f"{split}_modules"] = len({r["module"] for r in rows})
+    counts.update(files)
+    counts["python"] = ".".join(map(str, sys.version_info[:3]))
+    return counts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxembed.train.corpus", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--heldout-fraction", type=float, default=0.2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--negatives", type=int, default=1)
+    parser.add_argument("--max-per-module", type=int, default=None)
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        counts = build_stdlib_corpus(args.out_dir, heldout_fraction=args.heldout_fraction, seed=args.seed,
+                                     negatives=args.negatives, max_per_module=args.max_per_module)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out_dir}/train.jsonl: {counts['train_rows']} rows from {counts['train_modules']} modules; "
+          f"{args.out_dir}/heldout.jsonl: {counts['heldout_rows']} rows from {counts['heldout_modules']} modules "
+          f"(Python {counts['python']} stdlib, {counts['files']} files, {counts['skipped_files']} skipped; "
+          f"{time.perf_counter() - t0:.1f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""LoRA adapters (Hu et al., 2022) on a model's linear layers, as a params-pytree transform.
+
+    adapters = init_adapters(config, params, LoraConfig(rank=16, alpha=16), key)
+    adapted = apply(params, adapters, lora)        # LoraWeight leaves where the targets were
+    jaxembed.embed(adapted, config, ids, lengths)  # the models multiply through them
+    dense = merge(params, adapters, lora)          # for export: W + (alpha / r) A B
+
+adapters = {"layers": {name: {"a": [n_layers, d_in, r], "b": [n_layers, r, d_out]}}}: the only
+trainable leaves. A starts uniform in +-1/sqrt(d_in) (PEFT's kaiming-uniform) and B at zero, so
+the adapted model starts as the base model. The base may be NF4 (`quant.quantize_nf4`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxembed import models
+from jaxembed.weights import DerivedWeight, _dot, densify, linear
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 16
+    alpha: float = 16.0
+    targets: tuple[str, ...] | str = "all"  # "all": the family's LINEAR_PARAMS
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
+            raise ValueError(f"lora rank must be a positive int, got {self.rank!r}")
+        if not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
+            raise ValueError(f"lora alpha must be a positive number, got {self.alpha!r}")
+        if isinstance(self.targets, (list, tuple)):
+            targets = tuple(self.targets)
+            object.__setattr__(self, "targets", "all" if targets == ("all",) else targets)
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / self.rank
+
+    def target_names(self, config) -> tuple[str, ...]:
+        linear_params = models.family(config).LINEAR_PARAMS
+        if self.targets == "all":
+            return tuple(linear_params)
+        unknown = sorted(set(self.targets) - set(linear_params))
+        if unknown or not self.targets:
+            raise ValueError(f"lora targets {unknown or '[]'} are not linear layers of {config.architecture}; "
+                             f"choose from {list(linear_params)} or 'all'")
+        return tuple(self.targets)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["base", "a", "b"], meta_fields=["scale"])
+@dataclasses.dataclass(frozen=True)
+class LoraWeight(DerivedWeight):
+    """base + scale * a @ b, with base [..., d_in, d_out] an array or an NF4Weight."""
+
+    base: jax.Array | DerivedWeight
+    a: jax.Array  # [..., d_in, r] float32
+    b: jax.Array  # [..., r, d_out] float32
+    scale: float
+
+    @property
+    def shape(self):
+        return tuple(self.base.shape)
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+    def dense(self):
+        base = densify(self.base)
+        return (base.astype(F32) + self.scale * jnp.matmul(self.a, self.b)).astype(base.dtype)
+
+    def matmul(self, x, compute_dtype):
+        down = _dot(x, self.a, compute_dtype)  # [b, t, r]
+        return linear(x, self.base, compute_dtype) + self.scale * _dot(down, self.b, compute_dtype)
+
+
+def init_adapters(config, params, lora: LoraConfig, key) -> dict:
+    """Fresh float32 adapters for every target matrix of params["layers"]."""
+    layers = params["layers"]
+    out = {}
+    for name, key_n in zip(lora.target_names(config), jax.random.split(key, len(lora.target_names(config)))):
+        *lead, d_in, d_out = layers[name].shape
+        bound = d_in ** -0.5
+        out[name] = {
+            "a": jax.random.uniform(key_n, (*lead, d_in, lora.rank), F32, -bound, bound),
+            "b": jnp.zeros((*lead, lora.rank, d_out), F32),
+        }
+    return {"layers": out}
+
+
+def apply(params, adapters, lora: LoraConfig):
+    """params with each adapted matrix replaced by a LoraWeight (the models multiply through it)."""
+    layers = dict(params["layers"])
+    for name, ab in adapters["layers"].items():
+        layers[name] = LoraWeight(layers[name], ab["a"], ab["b"], lora.scale)
+    return {**params, "layers": layers}
+
+
+def merge(params, adapters, lora: LoraConfig):
+    """Dense params with the adapters folded in (NF4 bases dequantised): what `jaxembed.load` reads."""
+    return densify(apply(params, adapters, lora))
+
+
+def quantize_base(config, params, names=None, block_size: int | None = None):
+    """params with the family's linear layer matrices (or `names`) in NF4."""
+    from jaxembed.train.quant import BLOCK_SIZE, quantize_nf4
+
+    names = models.family(config).LINEAR_PARAMS if names is None else names
+    layers = dict(params["layers"])
+    for name in names:
+        layers[name] = quantize_nf4(layers[name], block_size or BLOCK_SIZE)
+    return {**params, "layers": layers}

@@ -1,0 +1,362 @@
+"""The fine-tuning loop: `jaxembed train CONFIG.yaml` (Section 3.1 and Appendix G).
+
+    trainer = Trainer(load_train_config("configs/train/stdlib-tiny.yaml"))
+    trainer.run()        # resumes from the latest checkpoint if there is one
+    trainer.export()     # merged weights, readable by jaxembed.load
+
+One process per host; every process runs the same code on the same deterministic data plan
+and fills only its own shards of each global batch. Only process 0 writes the log and the
+progress bar; every process takes part in checkpoints (orbax) and in the export's gather.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import time
+import warnings
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from jaxembed import checkpoint, models
+from jaxembed.config import ConfigError, load_config
+from jaxembed.embedder import Embedder, _to_device, bucket_length, load_tokenizer, tokenize_texts
+from jaxembed.train import data as data_lib
+from jaxembed.train import lora as lora_lib
+from jaxembed.train import sharding as sh
+from jaxembed.train.config import TrainConfig
+from jaxembed.train.step import BATCH_KEYS, StepConfig, TrainState, make_optimizer, train_step
+
+KILL_AFTER_STEP_ENV = "JAXEMBED_TRAIN_KILL_AFTER_STEP"  # test hook: SIGKILL this process after that step
+
+
+def initialize_distributed(cfg: TrainConfig) -> None:
+    """jax.distributed for multi-host runs (before any other jax call); a no-op without the section."""
+    d = cfg.distributed
+    if d is None:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices (tests) talk over gloo
+    jax.distributed.initialize(coordinator_address=d.coordinator, num_processes=d.num_processes, process_id=d.process_id)
+
+
+def load_model(cfg: TrainConfig):
+    """(architecture config, params as stored, tokenizer, embedder settings) for the model section."""
+    m = cfg.model
+    settings = {}
+    if m.path is not None:
+        from jaxembed.convert import read_checkpoint
+
+        directory = Path(m.path).expanduser()
+        if directory.is_dir() and checkpoint.is_converted(directory):
+            config, params, settings = checkpoint.load(directory)
+        else:
+            ck = read_checkpoint(m.path)
+            config, params, directory = ck.config, ck.params, ck.directory
+        tokenizer = _tokenizer(m.tokenizer, directory)
+    else:
+        config = load_config(m.init)
+        params = models.family(config).init_params(config, jax.random.key(m.seed))
+        tokenizer = _tokenizer(m.tokenizer, None)
+    if tokenizer is None:
+        raise ConfigError("model.tokenizer: the model has no tokenizer; name one (a path, a hub id or 'stdlib-bpe:N')")
+    if len(tokenizer) > config.vocab_size:
+        raise ConfigError(f"model.tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {config.vocab_size}")
+    return config, params, tokenizer, settings
+
+
+def _tokenizer(spec, directory):
+    if isinstance(spec, str) and spec.startswith("stdlib-bpe:"):
+        from jaxembed.testing import make_tokenizer
+
+        return make_tokenizer(int(spec.split(":", 1)[1]))
+    return load_tokenizer(spec, directory)
+
+
+@dataclass
+class Batch:
+    arrays: dict  # BATCH_KEYS -> host numpy arrays
+    source: str
+    tokens: int  # real (unpadded) tokens
+    truncated: int  # texts cut to max_tokens
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, show_progress: bool = True, devices=None):
+        """devices: the mesh's devices (default: all devices of all processes)."""
+        self.cfg = cfg
+        self.show_progress = show_progress and jax.process_index() == 0
+        self.mesh = sh.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, devices)
+        self.shards = sh.batch_shards(self.mesh)
+        t = cfg.train
+        if t.batch_size % self.shards:
+            raise ConfigError(f"train.batch_size={t.batch_size} is not a multiple of the {self.shards} batch shards "
+                              f"(mesh data x fsdp)")
+
+        # model: the stored params are kept on the host for the export's merge
+        self.config, self.stored_params, self.tokenizer, settings = load_model(cfg)
+        self.family = models.family(self.config)
+        self.chunk_size = cfg.model.chunk_size or self.config.chunk_size
+        self.eos = int(self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.config.eos_token_id)
+        self.query_template = cfg.data.query_template
+        self.lora = lora_lib.LoraConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
+        self.lora.target_names(self.config)  # fail early on unknown targets
+        base = _to_device(self.stored_params, cfg.model.dtype, getattr(self.family, "FLOAT32_PARAMS", ()))
+        if cfg.quantization == "nf4":
+            base = lora_lib.quantize_base(self.config, base, self.lora.target_names(self.config))
+        self.base_shardings = sh.param_shardings(base, self.mesh)
+        self.base = sh.put(base, self.base_shardings)
+
+        # data
+        self.sources, self.report = data_lib.load_triples(expand_globs(cfg.data.train),
+                                                          negatives_per_query=cfg.data.negatives_per_query)
+        self.sizes = {name: len(ds) for name, ds in self.sources.items()}
+        self.steps_per_epoch = sum(n // t.batch_size for n in self.sizes.values())
+        if self.steps_per_epoch == 0:
+            raise ConfigError(f"train.batch_size={t.batch_size} is larger than every source's kept examples {self.sizes}")
+        self.leftover = data_lib.leftover(self.sizes, t.batch_size)
+        self.total_steps = t.epochs * self.steps_per_epoch
+        if t.max_steps is not None:
+            self.total_steps = min(self.total_steps, t.max_steps)
+        self._plans = {}
+        self.heldout = None
+        if cfg.data.heldout:
+            heldout, _ = data_lib.load_triples(cfg.data.heldout, negatives_per_query=0)
+            self.heldout = [row for ds in heldout.values() for row in ds]
+            if cfg.eval.max_queries is not None:
+                self.heldout = self.heldout[: cfg.eval.max_queries]
+
+        # optimizer and step
+        self.optimizer, self.lr_schedule = make_optimizer(t.learning_rate, self.total_steps, warmup_steps=t.warmup_steps,
+                                                          weight_decay=t.weight_decay)
+        self.step_config = StepConfig(self.config, self.lora, t.temperature, t.grad_cache_size, t.remat,
+                                      cfg.model.kernels, self.chunk_size)
+        key = jax.random.key(t.seed)
+        adapters = lora_lib.init_adapters(self.config, base, self.lora, key)
+        state = TrainState(jnp.zeros((), jnp.int32), adapters, self.optimizer.init(adapters),
+                           jax.random.key_data(jax.random.fold_in(key, 1)))
+        self.state_shardings = sh.param_shardings(state, self.mesh)
+        self.state = sh.put(state, self.state_shardings)
+        self._step_fn = jax.jit(
+            partial(train_step, sc=self.step_config, optimizer=self.optimizer, lr_schedule=self.lr_schedule,
+                    sub_batch_sharding=sh.sub_batch_sharding(self.mesh)),
+            in_shardings=(self.state_shardings, self.base_shardings, None),
+            out_shardings=(self.state_shardings, sh.replicated(self.mesh)),
+            donate_argnums=0,
+        )
+        self.manager = ocp.CheckpointManager(
+            Path(cfg.checkpoint.directory).expanduser().absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint.keep, save_interval_steps=cfg.checkpoint.every,
+                                                 cleanup_tmp_directories=True),
+        )
+        self.truncated = 0
+
+    # ---- data -------------------------------------------------------------------------
+    def _plan(self, epoch: int):
+        if epoch not in self._plans:
+            self._plans = {epoch: data_lib.plan_batches(self.sizes, self.cfg.train.batch_size, seed=self.cfg.train.seed,
+                                                        epoch=epoch)}
+        return self._plans[epoch]
+
+    def query_text(self, row, source: str) -> str:
+        instruction = row.get("instruction") or self.cfg.data.instructions.get(source, "")
+        return (self.query_template.format(prompt=instruction) if instruction else "") + row["query"]
+
+    def batch(self, step: int) -> Batch:
+        """The global batch of update `step` (0-based): a pure function of the config and the step."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        source, rows = self._plan(epoch)[index]
+        records = self.sources[source][np.asarray(rows).tolist()]  # columns -> lists
+        b, k = len(rows), self.cfg.data.negatives_per_query
+        queries = [self.query_text({"instruction": i, "query": q}, source)
+                   for q, i in zip(records["query"], records["instruction"])]
+        negatives = [n for negs in records["negatives"] for n in negs]
+        ids, truncated = tokenize_texts(self.tokenizer, queries + records["positive"] + negatives, self.eos,
+                                        self.cfg.data.max_tokens)
+        lengths = np.array([len(x) for x in ids], np.int32)
+        padded = np.zeros((len(ids), bucket_length(int(lengths.max()), self.chunk_size)), np.int32)
+        for row, x in zip(padded, ids):
+            row[: len(x)] = x
+        arrays = {
+            "query_ids": padded[:b], "query_len": lengths[:b],
+            "pos_ids": padded[b : 2 * b], "pos_len": lengths[b : 2 * b],
+            "neg_ids": padded[2 * b :].reshape(b, k, -1), "neg_len": lengths[2 * b :].reshape(b, k),
+        }
+        return Batch(arrays, source, int(lengths.sum()), truncated)
+
+    def _device_batch(self, batch: Batch):
+        return {key: sh.global_array(batch.arrays[key], sh.batch_sharding(self.mesh, batch.arrays[key].ndim))
+                for key in BATCH_KEYS}
+
+    # ---- checkpoints ------------------------------------------------------------------
+    def _data_position(self, step: int) -> dict:
+        return {"step": step, "epoch": step // self.steps_per_epoch, "batch_in_epoch": step % self.steps_per_epoch,
+                "seed": self.cfg.train.seed, "batch_size": self.cfg.train.batch_size, "sizes": self.sizes,
+                "truncated": self.truncated}
+
+    def save(self, step: int, *, force: bool = False) -> None:
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(self.state),
+                                                        data=ocp.args.JsonSave(self._data_position(step))), force=force)
+
+    def restore(self) -> int:
+        """Load the latest complete checkpoint, if any; returns the step to continue from."""
+        step = self.manager.latest_step()
+        if step is None:
+            return 0
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
+                                self.state_shardings)
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                      data=ocp.args.JsonRestore()))
+        position = restored["data"]
+        expected = self._data_position(step)
+        for key in ("seed", "batch_size", "sizes"):
+            if position[key] != expected[key]:
+                raise ConfigError(f"{self.cfg.checkpoint.directory}: checkpoint {step} was written with {key}="
+                                  f"{position[key]}, this run has {expected[key]}; use a new checkpoint directory")
+        self.state = restored["state"]
+        self.truncated = position["truncated"]
+        return step
+
+    # ---- evaluation -------------------------------------------------------------------
+    def embedder(self) -> Embedder:
+        """The model as it is now (adapters applied, not merged), for encoding."""
+        return Embedder(lora_lib.apply(self.base, self.state.adapters, self.lora), self.config, tokenizer=self.tokenizer,
+                        chunk_size=self.chunk_size, query_template=self.query_template, kernels=self.cfg.model.kernels)
+
+    def evaluate(self) -> dict:
+        """Held-out retrieval: recall@k of each query's positive among all held-out positives."""
+        rows = self.heldout
+        model = self.embedder()
+        kwargs = dict(batch_size=self.cfg.eval.batch_size, max_length=self.cfg.data.max_tokens, show_progress_bar=False)
+        docs = sorted({r["positive"] for r in rows})
+        doc_index = {d: i for i, d in enumerate(docs)}
+        with warnings.catch_warnings():  # truncation to data.max_tokens is the configured behaviour here
+            warnings.simplefilter("ignore", UserWarning)
+            q = model.encode([self.query_text(r, r["source"]) for r in rows], **kwargs)
+            d = model.encode(docs, **kwargs)
+        return retrieval_metrics(q @ d.T, np.array([doc_index[r["positive"]] for r in rows]), self.cfg.eval.k)
+
+    # ---- the loop ---------------------------------------------------------------------
+    def train_step(self, step: int) -> dict:
+        """Update `step` (0-based) on its batch; returns the log row (loss, lr, grad_norm, tokens/s, ...)."""
+        tick = time.perf_counter()
+        batch = self.batch(step)
+        self.truncated += batch.truncated
+        self.state, metrics = self._step_fn(self.state, self.base, self._device_batch(batch))
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        seconds = time.perf_counter() - tick
+        return {"step": step + 1, **metrics, "tokens": batch.tokens, "tokens_per_s": batch.tokens / seconds,
+                "source": batch.source, "truncated_total": self.truncated}
+
+    def run(self) -> list[dict]:
+        """Train to the end (resuming from the latest checkpoint); returns this call's log rows."""
+        start = self.restore()
+        log = _Log(self.cfg.log_path, keep_through=start) if jax.process_index() == 0 else None
+        rows = []
+
+        def record(row):
+            rows.append(row)
+            if log:
+                log.write(row)
+
+        if log and start == 0:
+            record({"event": "data", **self.report_dict()})
+        every = self.cfg.eval.every
+        if self.heldout and start == 0:
+            record({"step": 0, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
+        kill_after = int(os.environ.get(KILL_AFTER_STEP_ENV, "0") or 0)
+        bar = tqdm(total=self.total_steps, initial=start, desc="training", unit="step", disable=not self.show_progress)
+        for step in range(start, self.total_steps):
+            row = self.train_step(step)
+            record(row)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.update(1)
+            self.save(step + 1, force=step + 1 == self.total_steps)
+            if self.heldout and ((every and (step + 1) % every == 0) or step + 1 == self.total_steps):
+                record({"step": step + 1, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
+            if kill_after and step + 1 == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+        bar.close()
+        self.manager.wait_until_finished()
+        return rows
+
+    def report_dict(self) -> dict:
+        r = self.report
+        return {"rows": r.rows, "kept": r.kept, "dropped_empty": r.dropped_empty,
+                "dropped_few_negatives": r.dropped_few_negatives, "unused_negatives": r.unused_negatives,
+                "leftover_partial_batches": self.leftover, "steps_per_epoch": self.steps_per_epoch,
+                "total_steps": self.total_steps}
+
+    # ---- export -----------------------------------------------------------------------
+    def merged_params(self):
+        """The stored weights with the adapters folded in (float32 sum, cast back to each leaf's stored dtype)."""
+        from jax.experimental import multihost_utils
+
+        adapters = multihost_utils.process_allgather(self.state.adapters, tiled=True)
+        host = lora_lib.merge(jax.tree.map(jnp.asarray, self.stored_params), jax.tree.map(jnp.asarray, adapters), self.lora)
+        return jax.tree.map(np.asarray, host)
+
+    def export(self, directory=None) -> Path | None:
+        """Write the merged model (orbax + jaxembed.json + tokenizer); `jaxembed.load` reads it."""
+        directory = directory or self.cfg.output
+        if directory is None:
+            raise ConfigError("no export directory: set `output` in the config")
+        params = self.merged_params()
+        if jax.process_index() != 0:
+            return None
+        out = checkpoint.save(directory, self.config, params, embedder={"query_template": self.query_template},
+                              source=f"jaxembed train ({self.cfg.model.path or self.cfg.model.init})")
+        self.tokenizer.save_pretrained(out)
+        return out
+
+
+def expand_globs(patterns) -> list[str]:
+    """Each entry as given, or the sorted files matching it when it holds a glob pattern."""
+    files = []
+    for pattern in patterns:
+        if any(c in pattern for c in "*?["):
+            matched = sorted(glob.glob(os.path.expanduser(pattern)))
+            if not matched:
+                raise ConfigError(f"data.train: no files match {pattern!r}")
+            files += matched
+        else:
+            files.append(pattern)
+    return files
+
+
+def retrieval_metrics(scores: np.ndarray, targets: np.ndarray, k: int) -> dict:
+    """recall@k and MRR@k of each query's target column in scores [queries, docs] (ties count against)."""
+    target_scores = scores[np.arange(len(targets)), targets]
+    rank = (scores > target_scores[:, None]).sum(axis=1) + (scores == target_scores[:, None]).sum(axis=1) - 1
+    hit = rank < k
+    return {f"recall@{k}": float(hit.mean()), f"mrr@{k}": float(np.where(hit, 1.0 / (rank + 1), 0.0).mean()),
+            "queries": int(len(targets)), "docs": int(scores.shape[1])}
+
+
+class _Log:
+    """metrics jsonl; on resume from step s, rows after s (from the killed run) are dropped first,
+    so the file is one trajectory."""
+
+    def __init__(self, path: Path, keep_through: int):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if keep_through and path.exists():
+            kept = [line for line in path.read_text().splitlines() if line.strip()
+                    and json.loads(line).get("step", 0) <= keep_through]
+            path.write_text("".join(line + "\n" for line in kept))
+        elif not keep_through:
+            path.write_text("")
+
+    def write(self, row: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())

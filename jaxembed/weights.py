@@ -1,0 +1,62 @@
+"""Weights that stand in for a dense matrix inside the params pytree: a LoRA-adapted matrix, a
+4-bit NF4 matrix, or both. The models' linear layers call `linear(x, w)`, which multiplies by
+a plain array as always and lets a `DerivedWeight` do its own product, so
+
+  * the LoRA path is computed as x W + s (x A) B, not as x (W + s A B): a bfloat16 W would
+    round the small update s A B away before it reached the output;
+  * an NF4 matrix is dequantised at the matmul, one layer at a time inside the layer scan, so
+    no full-precision copy of the base model ever exists.
+
+Derived weights are pytrees whose leaves keep the leading [n_layers] axis of stacked layer
+params, so the scheduler's `lax.scan` slices them per layer like any other leaf.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+class DerivedWeight:
+    """A [..., d_in, d_out] matrix given by other arrays. Subclasses are registered pytrees."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    @property
+    def dtype(self):
+        raise NotImplementedError
+
+    def dense(self) -> jax.Array:
+        """The matrix itself, in `self.dtype`."""
+        raise NotImplementedError
+
+    def matmul(self, x, compute_dtype) -> jax.Array:
+        """x [b, t, d_in] @ self -> [b, t, d_out] float32, operands in `compute_dtype`."""
+        return _dot(x, self.dense(), compute_dtype)
+
+
+def is_derived(leaf) -> bool:
+    return isinstance(leaf, DerivedWeight)
+
+
+def _dot(x, w, compute_dtype):
+    return jnp.einsum("btd,de->bte", x.astype(compute_dtype), w.astype(compute_dtype), preferred_element_type=F32)
+
+
+def linear(x, w, compute_dtype=None, bias=None):
+    """x [b, t, d_in] @ w [d_in, d_out] (+ bias) -> [b, t, d_out] float32.
+
+    compute_dtype: the matmul operands' dtype (default: x's). w may be an array or a DerivedWeight.
+    """
+    compute_dtype = x.dtype if compute_dtype is None else compute_dtype
+    y = w.matmul(x, compute_dtype) if is_derived(w) else _dot(x, w, compute_dtype)
+    return y if bias is None else y + bias.astype(F32)
+
+
+def densify(tree):
+    """Every DerivedWeight in `tree` replaced by its dense matrix (for export and checks)."""
+    return jax.tree.map(lambda leaf: leaf.dense() if is_derived(leaf) else leaf, tree, is_leaf=is_derived)

@@ -1,0 +1,128 @@
+"""The trainer's parts against references it did not write: bitsandbytes' NF4, the LoRA and
+InfoNCE formulas written out in numpy float64, and the full-batch gradient for GradCache.
+The end-to-end runs (sharding, processes, resume, learning) are in test_train_runs.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxembed import models, schedule
+from jaxembed.config import Mamba2Config
+from jaxembed.train import lora as lora_lib
+from jaxembed.train.loss import info_nce
+from jaxembed.train.quant import nf4_levels, quantize_nf4
+from jaxembed.train.step import StepConfig, loss_and_grads
+from jaxembed.weights import linear
+
+from conftest import rel_err
+
+
+def test_nf4_matches_bitsandbytes():
+    """Codes bit for bit and block maxima exactly, for stacked matrices and a size that is not a
+    multiple of the block; dequantised values within the 1-ulp difference of the two level tables."""
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(3, 40, 24), (37, 11)]:
+        w = torch.randn(*shape, generator=gen) * 0.05
+        ours = quantize_nf4(jnp.asarray(w.numpy()))
+        matrices = w.reshape(-1, *shape[-2:])
+        codes, absmax = np.asarray(ours.codes).reshape(len(matrices), -1), np.asarray(ours.absmax).reshape(len(matrices), -1)
+        dense = np.asarray(ours.dense()).reshape(matrices.shape)
+        for i, m in enumerate(matrices):
+            q, state = bnb.quantize_4bit(m.contiguous(), blocksize=64, quant_type="nf4")
+            np.testing.assert_array_equal(codes[i, : q.numel()], q.flatten().numpy())
+            np.testing.assert_array_equal(absmax[i], state.absmax.numpy())
+            ref = bnb.dequantize_4bit(q, state).numpy()
+            assert np.abs(dense[i] - ref).max() <= 2e-7 * np.abs(ref).max() * 8
+        np.testing.assert_allclose(nf4_levels(), state.code.numpy(), atol=2e-7)
+
+
+def test_lora_products_match_the_formula():
+    """LoraWeight.matmul and .dense against x W + (alpha / r) (x A) B in float64, with a plain and an NF4 base."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 5, 48)).astype(np.float32)
+    w = (0.1 * rng.normal(size=(48, 40))).astype(np.float32)
+    a, b = rng.normal(size=(48, 4)).astype(np.float32), rng.normal(size=(4, 40)).astype(np.float32)
+    scale = 16 / 4
+    for base in (jnp.asarray(w), quantize_nf4(jnp.asarray(w))):
+        w_ref = np.asarray(base.dense() if hasattr(base, "dense") else base, np.float64)
+        weight = lora_lib.LoraWeight(base, jnp.asarray(a), jnp.asarray(b), scale)
+        expected = x.astype(np.float64) @ w_ref + scale * (x.astype(np.float64) @ a) @ b
+        with jax.default_matmul_precision("highest"):
+            assert rel_err(linear(jnp.asarray(x), weight), expected) < 1e-6
+            assert rel_err(weight.dense(), w_ref + scale * a.astype(np.float64) @ b) < 1e-6
+
+
+def test_info_nce_matches_the_paper_equation():
+    """Section 3.1: the negatives of query i are its own hard negatives and every positive and
+    hard negative of the other queries; written out query by query."""
+    rng = np.random.default_rng(1)
+    B, k, d, tau = 5, 2, 16, 0.05
+
+    def unit(*shape):
+        v = rng.normal(size=(*shape, d))
+        return v / np.linalg.norm(v, axis=-1, keepdims=True)
+
+    q, p, n = unit(B), unit(B), unit(B, k)
+    losses = []
+    for i in range(B):
+        negatives = [n[i, j] for j in range(k)] + [p[o] for o in range(B) if o != i] + \
+                    [n[o, j] for o in range(B) if o != i for j in range(k)]
+        pos = np.exp(q[i] @ p[i] / tau)
+        losses.append(-np.log(pos / (pos + sum(np.exp(q[i] @ c / tau) for c in negatives))))
+    got = info_nce(jnp.asarray(q, jnp.float32), jnp.asarray(p, jnp.float32), jnp.asarray(n, jnp.float32), tau)
+    assert abs(float(got) - np.mean(losses)) / np.mean(losses) < 1e-6
+
+
+def _tiny_setup(seed=0, b=8, k=2, lengths=(21, 21, 21)):
+    cfg = Mamba2Config(vocab_size=64, d_model=32, n_layers=2, d_state=8, head_dim=8, n_groups=1, chunk_size=8)
+    params = models.family(cfg).init_params(cfg, jax.random.key(seed))
+    lora = lora_lib.LoraConfig(rank=4, alpha=8)
+    adapters = lora_lib.init_adapters(cfg, params, lora, jax.random.key(seed + 1))
+    # B starts at zero; give it values so every adapter gets a gradient that matters
+    adapters = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(seed + 2), x.shape), adapters)
+    rng = np.random.default_rng(seed)
+
+    def ids(shape, t):
+        return (jnp.asarray(rng.integers(0, cfg.vocab_size, (*shape, t)), jnp.int32),
+                jnp.asarray(rng.integers(1, t + 1, shape), jnp.int32))
+
+    (qi, ql), (pi, pl), (ni, nl) = ids((b,), lengths[0]), ids((b,), lengths[1]), ids((b, k), lengths[2])
+    batch = dict(query_ids=qi, query_len=ql, pos_ids=pi, pos_len=pl, neg_ids=ni, neg_len=nl)
+    return cfg, params, lora, adapters, batch
+
+
+def test_grad_cache_equals_full_batch():
+    """GradCache (sub-batches of 2 queries, remat on) against jax.grad of the one-pass batch loss."""
+    cfg, params, lora, adapters, batch = _tiny_setup()
+    f = jax.jit(loss_and_grads, static_argnums=3)
+    loss_full, g_full = f(adapters, params, batch, StepConfig(cfg, lora, grad_cache_size=None, remat=False))
+    loss_gc, g_gc = f(adapters, params, batch, StepConfig(cfg, lora, grad_cache_size=2, remat=True))
+    assert abs(float(loss_gc) - float(loss_full)) <= 1e-6 * abs(float(loss_full))
+    for path, full, gc in zip(jax.tree_util.tree_leaves_with_path(g_full), jax.tree.leaves(g_full), jax.tree.leaves(g_gc)):
+        assert float(jnp.linalg.norm(full)) > 0, jax.tree_util.keystr(path[0])
+        assert rel_err(gc, full) < 1e-5, jax.tree_util.keystr(path[0])
+
+
+def test_adapters_start_as_the_base_model_and_remat_changes_nothing():
+    """Fresh adapters (B = 0) leave every embedding as the base model's; remat only changes the backward."""
+    cfg, params, lora, _, batch = _tiny_setup(seed=3, b=2, k=0, lengths=(9, 9, 9))
+    fresh = lora_lib.init_adapters(cfg, params, lora, jax.random.key(0))
+    ids, lengths = batch["query_ids"], batch["query_len"]
+    base = schedule.embed(params, cfg, ids, lengths)
+    adapted = schedule.embed(lora_lib.apply(params, fresh, lora), cfg, ids, lengths, remat=True)
+    np.testing.assert_array_equal(np.asarray(adapted), np.asarray(base))
+
+
+def test_lora_config_errors():
+    cfg = Mamba2Config(vocab_size=64, d_model=32, n_layers=1, d_state=8, head_dim=8, chunk_size=8)
+    with pytest.raises(ValueError, match="not linear layers of mamba2"):
+        lora_lib.LoraConfig(targets=("in_proj", "conv_weight")).target_names(cfg)
+    with pytest.raises(ValueError, match="rank must be a positive int"):
+        lora_lib.LoraConfig(rank=0)
+    with pytest.raises(ValueError, match="NF4 quantises matrices"):
+        quantize_nf4(jnp.ones(7))
