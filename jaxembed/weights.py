@@ -36,14 +36,14 @@ class DerivedWeight:
 
     def matmul(self, x, compute_dtype) -> jax.Array:
         """x [b, t, d_in] @ self -> [b, t, d_out] float32, operands in `compute_dtype`."""
-        return _dot(x, self.dense(), compute_dtype)
+        return dot(x, self.dense(), compute_dtype)
 
 
 def is_derived(leaf) -> bool:
     return isinstance(leaf, DerivedWeight)
 
 
-def _dot(x, w, compute_dtype):
+def dot(x, w, compute_dtype):
     return jnp.einsum("btd,de->bte", x.astype(compute_dtype), w.astype(compute_dtype), preferred_element_type=F32)
 
 
@@ -53,7 +53,7 @@ def linear(x, w, compute_dtype=None, bias=None):
     compute_dtype: the matmul operands' dtype (default: x's). w may be an array or a DerivedWeight.
     """
     compute_dtype = x.dtype if compute_dtype is None else compute_dtype
-    y = w.matmul(x, compute_dtype) if is_derived(w) else _dot(x, w, compute_dtype)
+    y = w.matmul(x, compute_dtype) if is_derived(w) else dot(x, w, compute_dtype)
     return y if bias is None else y + bias.astype(F32)
 
 

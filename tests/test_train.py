@@ -37,7 +37,7 @@ def test_nf4_matches_bitsandbytes():
             np.testing.assert_array_equal(codes[i, : q.numel()], q.flatten().numpy())
             np.testing.assert_array_equal(absmax[i], state.absmax.numpy())
             ref = bnb.dequantize_4bit(q, state).numpy()
-            assert np.abs(dense[i] - ref).max() <= 2e-7 * np.abs(ref).max() * 8
+            assert np.abs(dense[i] - ref).max() <= 1e-6 * np.abs(ref).max()  # the level tables differ by 1 ulp
         np.testing.assert_allclose(nf4_levels(), state.code.numpy(), atol=2e-7)
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed import models
-from jaxembed.weights import DerivedWeight, _dot, densify, linear
+from jaxembed.weights import DerivedWeight, dot, densify, linear
 
 F32 = jnp.float32
 
@@ -77,8 +77,8 @@ class LoraWeight(DerivedWeight):
         return (base.astype(F32) + self.scale * jnp.matmul(self.a, self.b)).astype(base.dtype)
 
     def matmul(self, x, compute_dtype):
-        down = _dot(x, self.a, compute_dtype)  # [b, t, r]
-        return linear(x, self.base, compute_dtype) + self.scale * _dot(down, self.b, compute_dtype)
+        down = dot(x, self.a, compute_dtype)  # [b, t, r]
+        return linear(x, self.base, compute_dtype) + self.scale * dot(down, self.b, compute_dtype)
 
 
 def init_adapters(config, params, lora: LoraConfig, key) -> dict:
