@@ -81,7 +81,8 @@ def test_info_nce_matches_the_paper_equation():
 def _tiny_setup(seed=0, b=8, k=2, lengths=(21, 21, 21)):
     cfg = Mamba2Config(vocab_size=64, d_model=32, n_layers=2, d_state=8, head_dim=8, n_groups=1, chunk_size=8)
     params = models.family(cfg).init_params(cfg, jax.random.key(seed))
-    lora = lora_lib.LoraConfig(rank=4, alpha=8)
+    # the token embedding and the decay bias trained in full beside the adapters (PEFT's modules_to_save)
+    lora = lora_lib.LoraConfig(rank=4, alpha=8, modules_to_save=("embedding", "dt_bias"))
     adapters = lora_lib.init_adapters(cfg, params, lora, jax.random.key(seed + 1))
     # B starts at zero; give it values so every adapter gets a gradient that matters
     adapters = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(seed + 2), x.shape), adapters)
@@ -109,19 +110,29 @@ def test_grad_cache_equals_full_batch():
 
 
 def test_adapters_start_as_the_base_model_and_remat_changes_nothing():
-    """Fresh adapters (B = 0) leave every embedding as the base model's; remat only changes the backward."""
-    cfg, params, lora, _, batch = _tiny_setup(seed=3, b=2, k=0, lengths=(9, 9, 9))
+    """Fresh adapters (B = 0, saved modules copied) leave every embedding as the base model's;
+    remat only changes the backward. Merging writes the trained modules over the stored ones."""
+    cfg, params, lora, trained, batch = _tiny_setup(seed=3, b=2, k=0, lengths=(9, 9, 9))
     fresh = lora_lib.init_adapters(cfg, params, lora, jax.random.key(0))
     ids, lengths = batch["query_ids"], batch["query_len"]
     base = schedule.embed(params, cfg, ids, lengths)
     adapted = schedule.embed(lora_lib.apply(params, fresh, lora), cfg, ids, lengths, remat=True)
     np.testing.assert_array_equal(np.asarray(adapted), np.asarray(base))
+    merged = lora_lib.merge(params, trained, lora)
+    np.testing.assert_array_equal(merged["embedding"], trained["saved"]["embedding"])
+    np.testing.assert_array_equal(merged["layers"]["dt_bias"], trained["saved"]["layers"]["dt_bias"])
+    np.testing.assert_array_equal(merged["layers"]["A_log"], params["layers"]["A_log"])
 
 
 def test_lora_config_errors():
     cfg = Mamba2Config(vocab_size=64, d_model=32, n_layers=1, d_state=8, head_dim=8, chunk_size=8)
     with pytest.raises(ValueError, match="not linear layers of mamba2"):
         lora_lib.LoraConfig(targets=("in_proj", "conv_weight")).target_names(cfg)
+    params = models.family(cfg).init_params(cfg, jax.random.key(0))
+    with pytest.raises(ValueError, match="has no param 'embeddings'"):
+        lora_lib.LoraConfig(modules_to_save=("embeddings",)).saved_paths(cfg, params)
+    with pytest.raises(ValueError, match="'in_proj' is also a LoRA target"):
+        lora_lib.LoraConfig(modules_to_save=("in_proj",)).saved_paths(cfg, params)
     with pytest.raises(ValueError, match="rank must be a positive int"):
         lora_lib.LoraConfig(rank=0)
     with pytest.raises(ValueError, match="NF4 quantises matrices"):

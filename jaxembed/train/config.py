@@ -2,7 +2,7 @@
 
     model:       {path | init, tokenizer, dtype, kernels, chunk_size, seed}
     data:        {train, heldout, negatives_per_query, max_tokens, query_template, instructions}
-    lora:        {rank, alpha, targets}
+    lora:        {rank, alpha, targets, modules_to_save}
     quantization: null | nf4
     train:       {batch_size, grad_cache_size, remat, learning_rate, warmup_steps, weight_decay,
                   temperature, epochs, max_steps, seed}
@@ -55,6 +55,7 @@ class LoraSection:
     rank: int = 16
     alpha: float = 16.0
     targets: tuple[str, ...] | str = "all"
+    modules_to_save: tuple[str, ...] = ()  # params trained in full beside the adapters (e.g. [embedding])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,9 +5,14 @@
     jaxembed.embed(adapted, config, ids, lengths)  # the models multiply through them
     dense = merge(params, adapters, lora)          # for export: W + (alpha / r) A B
 
-adapters = {"layers": {name: {"a": [n_layers, d_in, r], "b": [n_layers, r, d_out]}}}: the only
+adapters = {"layers": {name: {"a": [n_layers, d_in, r], "b": [n_layers, r, d_out]}}}: the
 trainable leaves. A starts uniform in +-1/sqrt(d_in) (PEFT's kaiming-uniform) and B at zero, so
 the adapted model starts as the base model. The base may be NF4 (`quant.quantize_nf4`).
+
+`modules_to_save` (PEFT's name) trains whole params beside the adapters, e.g. the token embedding
+of a model trained from random init, where frozen random token vectors leave LoRA little to work
+with. They live in adapters["saved"] = {"embedding": [V, d], "layers": {"A_log": [L, h]}, ...} as
+float32 masters, cast to the stored dtype when applied, and replace the stored params on merge.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class LoraConfig:
     rank: int = 16
     alpha: float = 16.0
     targets: tuple[str, ...] | str = "all"  # "all": the family's LINEAR_PARAMS
+    modules_to_save: tuple[str, ...] = ()  # params trained in full: top-level names or names under "layers"
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
@@ -38,6 +44,9 @@ class LoraConfig:
         if isinstance(self.targets, (list, tuple)):
             targets = tuple(self.targets)
             object.__setattr__(self, "targets", "all" if targets == ("all",) else targets)
+        if isinstance(self.modules_to_save, str) or not all(isinstance(n, str) for n in self.modules_to_save):
+            raise ValueError(f"lora modules_to_save must be a list of param names, got {self.modules_to_save!r}")
+        object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save))
 
     @property
     def scale(self) -> float:
@@ -52,6 +61,22 @@ class LoraConfig:
             raise ValueError(f"lora targets {unknown or '[]'} are not linear layers of {config.architecture}; "
                              f"choose from {list(linear_params)} or 'all'")
         return tuple(self.targets)
+
+    def saved_paths(self, config, params) -> tuple[tuple[str, ...], ...]:
+        """modules_to_save as paths into params: ("embedding",) or ("layers", "A_log")."""
+        paths = []
+        targets = set(self.target_names(config))
+        for name in self.modules_to_save:
+            if name in targets:
+                raise ValueError(f"lora modules_to_save: {name!r} is also a LoRA target; train it one way")
+            if name != "layers" and name in params:
+                paths.append((name,))
+            elif name in params["layers"]:
+                paths.append(("layers", name))
+            else:
+                known = sorted([k for k in params if k != "layers"] + list(params["layers"]))
+                raise ValueError(f"lora modules_to_save: {config.architecture} has no param {name!r}; choose from {known}")
+        return tuple(paths)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["base", "a", "b"], meta_fields=["scale"])
@@ -92,7 +117,19 @@ def init_adapters(config, params, lora: LoraConfig, key) -> dict:
             "a": jax.random.uniform(key_n, (*lead, d_in, lora.rank), F32, -bound, bound),
             "b": jnp.zeros((*lead, lora.rank, d_out), F32),
         }
-    return {"layers": out}
+    saved = {}
+    for path in lora.saved_paths(config, params):
+        leaf = params
+        for key_p in path:
+            leaf = leaf[key_p]
+        _set(saved, path, densify(leaf).astype(F32))
+    return {"layers": out, "saved": saved} if saved else {"layers": out}
+
+
+def _set(tree: dict, path, value):
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
 
 
 def apply(params, adapters, lora: LoraConfig):
@@ -100,7 +137,14 @@ def apply(params, adapters, lora: LoraConfig):
     layers = dict(params["layers"])
     for name, ab in adapters["layers"].items():
         layers[name] = LoraWeight(layers[name], ab["a"], ab["b"], lora.scale)
-    return {**params, "layers": layers}
+    params = {**params, "layers": layers}
+    saved = adapters.get("saved", {})
+    for name, value in saved.get("layers", {}).items():
+        layers[name] = value.astype(layers[name].dtype)
+    for name, value in saved.items():
+        if name != "layers":
+            params[name] = value.astype(params[name].dtype)
+    return params
 
 
 def merge(params, adapters, lora: LoraConfig):

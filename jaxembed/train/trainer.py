@@ -107,8 +107,11 @@ class Trainer:
         self.chunk_size = cfg.model.chunk_size or self.config.chunk_size
         self.eos = int(self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.config.eos_token_id)
         self.query_template = cfg.data.query_template
-        self.lora = lora_lib.LoraConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
-        self.lora.target_names(self.config)  # fail early on unknown targets
+        try:
+            self.lora = lora_lib.LoraConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.lora.modules_to_save)
+            self.lora.saved_paths(self.config, self.stored_params)  # fail early on unknown names
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         base = _to_device(self.stored_params, cfg.model.dtype, getattr(self.family, "FLOAT32_PARAMS", ()))
         if cfg.quantization == "nf4":
             base = lora_lib.quantize_base(self.config, base, self.lora.target_names(self.config))
