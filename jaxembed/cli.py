@@ -1,5 +1,5 @@
-"""Command line: `jaxembed convert SRC DST`, `jaxembed embed --model PATH [FILES]`, `jaxembed train CONFIG.yaml`
-and `jaxembed corpus stdlib OUT_DIR`."""
+"""Command line: `jaxembed convert SRC DST`, `jaxembed embed --model PATH [FILES]`, `jaxembed train CONFIG.yaml`,
+`jaxembed corpus stdlib OUT_DIR` and `jaxembed eval --model PATH --benchmark NAME | --tasks A,B`."""
 
 from __future__ import annotations
 
@@ -160,7 +160,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout-fraction", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_corpus)
+
+    p = sub.add_parser("eval", help="MTEB / LongEmbed through mteb, with the paper's instructions and summary table")
+    p.add_argument("--model", required=True, help="converted or Hugging Face directory")
+    p.add_argument("--benchmark", default=None, help='e.g. "MTEB(eng, v2)", "MTEB(Multilingual, v2)", "MTEB(eng, v1)", LongEmbed')
+    p.add_argument("--tasks", default=None, help="comma-separated mteb task names")
+    p.add_argument("--local-tasks", default=None, help="offline tasks of every type from a `jaxembed corpus stdlib` jsonl")
+    p.add_argument("--output", default="results", help="mteb result cache folder (results/<model>/<revision>/<task>.json)")
+    p.add_argument("--name", default=None, help="model name in the results, 'org/model' (default: jaxembed/<dir name>)")
+    p.add_argument("--revision", default=None, help="model revision in the results (default: local)")
+    p.add_argument("--max-length", type=int, default=None, help="tokens per text (default: 512; LongEmbed: 32768; 0: no limit)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--instructions", choices=["paper", "paper-only", "none"], default="paper",
+                   help="paper: Appendix H, then the task's own mteb prompt; paper-only; none")
+    p.add_argument("--template", default=None, help="'paper', 'e5' or a string with {prompt} (default: the model's)")
+    p.add_argument("--overwrite", choices=["always", "never", "only-missing", "only-cache"], default="only-missing")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--skip-data-check", action="store_true", help="do not load every dataset before encoding")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_eval)
     return parser
+
+
+def _cmd_eval(args) -> int:
+    from jaxembed.evaluation.run import MissingDataError, cmd_eval
+
+    try:
+        return cmd_eval(args)
+    except MissingDataError as err:
+        print(f"jaxembed eval: error: {err}", file=sys.stderr)
+        return 2
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,1 @@
+"""MTEB / LongEmbed evaluation (needs the `eval` extra: mteb). See docs/evaluation.md."""

@@ -1,0 +1,200 @@
+"""Offline mteb tasks of every task type the paper reports, built from real local text: the
+Python standard library's functions and docstrings (`jaxembed.train.corpus`), no hub access.
+
+    tasks = stdlib_tasks(rows)             # rows: triples from `jaxembed corpus stdlib` (held-out split)
+    mteb.evaluate(MtebEncoder(model), tasks, cache=None)
+
+Each task states what it asks in its description. They are for checking the evaluation path end to
+end (and a quick smoke run of a checkpoint), not for comparing models with the paper.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from datasets import Dataset, DatasetDict
+from mteb.abstasks.classification import AbsTaskClassification
+from mteb.abstasks.clustering_legacy import AbsTaskClusteringLegacy
+from mteb.abstasks.multilabel_classification import AbsTaskMultilabelClassification
+from mteb.abstasks.pair_classification import AbsTaskPairClassification
+from mteb.abstasks.retrieval import AbsTaskRetrieval
+from mteb.abstasks.retrieval_dataset_loaders import RetrievalSplitData
+from mteb.abstasks.sts import AbsTaskSTS
+from mteb.abstasks.task_metadata import TaskMetadata
+from mteb.abstasks.text.bitext_mining import AbsTaskBitextMining
+from mteb.abstasks.text.summarization import AbsTaskSummarization
+
+INSTRUCTION = "Given a docstring summary, retrieve the Python function that implements it"
+
+
+def _metadata(name: str, task_type: str, main_score: str, description: str, splits=("test",)) -> TaskMetadata:
+    return TaskMetadata(
+        name=name, type=task_type, main_score=main_score, description=description,
+        reference="https://docs.python.org/3/library/", dataset={"path": "local/jaxembed-stdlib", "revision": "1"},
+        category="t2t", eval_splits=list(splits), eval_langs=["eng-Latn"], date=("2026-01-01", "2026-01-01"),
+        dialect=[], domains=["Programming"], task_subtypes=[], license="not specified", annotations_creators="derived",
+        modalities=["text"], sample_creation="found", bibtex_citation="",
+    )
+
+
+def _retrieval_split(rows, *, top_ranked: bool, instruction: str | None = None) -> RetrievalSplitData:
+    docs = sorted({r["positive"] for r in rows} | {n for r in rows for n in r["negatives"]})
+    doc_id = {d: f"d{i}" for i, d in enumerate(docs)}
+    queries = [{"id": f"q{i}", "text": r["query"], **({"instruction": instruction} if instruction else {})}
+               for i, r in enumerate(rows)]
+    return RetrievalSplitData(
+        corpus=Dataset.from_list([{"id": doc_id[d], "text": d, "title": ""} for d in docs]),
+        queries=Dataset.from_list(queries),
+        relevant_docs={f"q{i}": {doc_id[r["positive"]]: 1} for i, r in enumerate(rows)},
+        top_ranked=({f"q{i}": [doc_id[r["positive"]], *(doc_id[n] for n in r["negatives"])] for i, r in enumerate(rows)}
+                    if top_ranked else None),
+    )
+
+
+def _modules(rows, n_modules: int):
+    """Rows of the n most frequent top-level modules (ties by name), and their label index."""
+    counts = Counter(r["module"] for r in rows)
+    top = sorted(counts, key=lambda m: (-counts[m], m))[:n_modules]
+    label = {m: i for i, m in enumerate(sorted(top))}
+    return [r for r in rows if r["module"] in label], label
+
+
+def stdlib_tasks(rows: list[dict], *, prefix: str = "Stdlib") -> list:
+    """One task per task type of the paper (Table 4), from corpus triples (query, positive,
+    negatives, module). Deterministic given the rows."""
+    if len(rows) < 40:
+        raise ValueError(f"stdlib_tasks needs at least 40 triples, got {len(rows)}")
+    rows = sorted(rows, key=lambda r: (r["module"], r["name"]))
+    pairs = rows[::2]  # a smaller, still mixed subset for the pairwise tasks
+    cls_rows, label = _modules(rows, 4)
+    train, test = cls_rows[::2], cls_rows[1::2]
+
+    class Retrieval(AbsTaskRetrieval):
+        metadata = _metadata(f"{prefix}CodeRetrieval", "Retrieval", "ndcg_at_10",
+                             "Docstring summary -> the function's source (without the docstring).")
+
+        def load_data(self, **kwargs):
+            self.dataset = {"default": {"test": _retrieval_split(rows, top_ranked=False)}}
+            self.data_loaded = True
+
+    class Reranking(AbsTaskRetrieval):
+        metadata = _metadata(f"{prefix}CodeReranking", "Reranking", "map_at_1000",
+                             "Rank a docstring's function above other functions of its module.")
+
+        def load_data(self, **kwargs):
+            self.dataset = {"default": {"test": _retrieval_split(rows, top_ranked=True)}}
+            self.data_loaded = True
+
+    class InstructionReranking(AbsTaskRetrieval):
+        metadata = _metadata(f"{prefix}CodeInstructionReranking", "InstructionReranking", "ndcg_at_10",
+                             "Reranking with a per-query instruction in the data.")
+
+        def load_data(self, **kwargs):
+            self.dataset = {"default": {"test": _retrieval_split(rows, top_ranked=True, instruction=INSTRUCTION)}}
+            self.data_loaded = True
+
+    class STS(AbsTaskSTS):
+        metadata = _metadata(f"{prefix}DocCodeSTS", "STS", "cosine_spearman",
+                             "Docstring vs function: 1 its own, 0.5 same module, 0 another module.")
+        min_score, max_score = 0, 1
+
+        def load_data(self, **kwargs):
+            n = len(pairs)
+            # each docstring against its own function, a function of the same module, and one of another
+            s1, s2, score = [], [], []
+            for i, r in enumerate(pairs):
+                other = pairs[(i + n // 2) % n]
+                for text, value in ((r["positive"], 1.0), (r["negatives"][0], 0.5), (other["positive"], 0.0)):
+                    if value == 0.0 and other["module"] == r["module"]:
+                        continue
+                    s1.append(r["query"]), s2.append(text), score.append(value)
+            self.dataset = DatasetDict({"test": Dataset.from_dict({"sentence1": s1, "sentence2": s2, "score": score})})
+            self.data_loaded = True
+
+    class PairClassification(AbsTaskPairClassification):
+        metadata = _metadata(f"{prefix}DocCodePairs", "PairClassification", "max_ap",
+                             "Does this function implement this docstring? (negatives: same module)")
+
+        def load_data(self, **kwargs):
+            s1 = [r["query"] for r in pairs] * 2
+            s2 = [r["positive"] for r in pairs] + [r["negatives"][0] for r in pairs]
+            labels = [1] * len(pairs) + [0] * len(pairs)
+            self.dataset = DatasetDict({"test": Dataset.from_list(
+                [{"sentence1": s1, "sentence2": s2, "labels": labels}])})
+            self.data_loaded = True
+
+    class Classification(AbsTaskClassification):
+        metadata = _metadata(f"{prefix}ModuleClassification", "Classification", "accuracy",
+                             "Which of four stdlib modules a function comes from.")
+
+        def load_data(self, **kwargs):
+            self.dataset = DatasetDict({
+                split: Dataset.from_dict({"text": [r["positive"] for r in part], "label": [label[r["module"]] for r in part]})
+                for split, part in (("train", train), ("test", test))})
+            self.data_loaded = True
+
+    class MultilabelClassification(AbsTaskMultilabelClassification):
+        metadata = _metadata(f"{prefix}ModuleMethodMultilabel", "MultilabelClassification", "accuracy",
+                             "Labels: the function's module, and whether it is a method (takes self).")
+
+        def load_data(self, **kwargs):
+            def labels(r):
+                return [label[r["module"]]] + ([len(label)] if "(self" in r["positive"].split("\n", 1)[0] else [])
+
+            self.dataset = DatasetDict({
+                split: Dataset.from_dict({"text": [r["positive"] for r in part], "label": [labels(r) for r in part]})
+                for split, part in (("train", train), ("test", test))})
+            self.data_loaded = True
+
+    class Clustering(AbsTaskClusteringLegacy):
+        metadata = _metadata(f"{prefix}ModuleClustering", "Clustering", "v_measure", "Cluster functions by module.")
+
+        def load_data(self, **kwargs):
+            self.dataset = DatasetDict({"test": Dataset.from_dict(
+                {"sentences": [[r["positive"] for r in cls_rows]], "labels": [[label[r["module"]] for r in cls_rows]]})})
+            self.data_loaded = True
+
+    class Summarization(AbsTaskSummarization):
+        metadata = _metadata(f"{prefix}DocstringSummarization", "Summarization", "cosine_spearman",
+                             "A function's docstring summary rates above another function's.")
+        min_score, max_score = 0, 1
+
+        def load_data(self, **kwargs):
+            n = len(pairs)
+            self.dataset = DatasetDict({"test": Dataset.from_dict({
+                "text": [r["positive"] for r in pairs],
+                "human_summaries": [[r["query"]] for r in pairs],
+                "machine_summaries": [[r["query"], pairs[(i + n // 2) % n]["query"]] for i, r in enumerate(pairs)],
+                "relevance": [[1, 0] for _ in pairs],
+            })})
+            self.data_loaded = True
+
+    class BitextMining(AbsTaskBitextMining):
+        metadata = _metadata(f"{prefix}DocCodeBitext", "BitextMining", "f1", "Align each docstring with its function.")
+
+        def load_data(self, **kwargs):
+            self.dataset = DatasetDict({"test": Dataset.from_dict(
+                {"sentence1": [r["query"] for r in pairs], "sentence2": [r["positive"] for r in pairs]})})
+            self.data_loaded = True
+
+    return [cls() for cls in (Retrieval, Reranking, InstructionReranking, STS, PairClassification, Classification,
+                              MultilabelClassification, Clustering, Summarization, BitextMining)]
+
+
+def long_document_task(queries: list[str], documents: list[str], name: str = "LocalLongDocRetrieval"):
+    """A LongEmbed-style retrieval task: query i's relevant document is documents[i]."""
+    if len(queries) != len(documents) or not queries:
+        raise ValueError(f"need one document per query, got {len(queries)} queries and {len(documents)} documents")
+
+    class LongDocuments(AbsTaskRetrieval):
+        metadata = _metadata(name, "Retrieval", "ndcg_at_10", "Long-document retrieval from local text.")
+
+        def load_data(self, **kwargs):
+            split = RetrievalSplitData(
+                corpus=Dataset.from_list([{"id": f"d{i}", "text": d, "title": ""} for i, d in enumerate(documents)]),
+                queries=Dataset.from_list([{"id": f"q{i}", "text": q} for i, q in enumerate(queries)]),
+                relevant_docs={f"q{i}": {f"d{i}": 1} for i in range(len(queries))}, top_ranked=None)
+            self.dataset = {"default": {"test": split}}
+            self.data_loaded = True
+
+    return LongDocuments()

@@ -1,0 +1,118 @@
+"""`jaxembed eval`: a benchmark or named tasks through mteb, results in mteb's cache layout, and the
+paper's summary table (mean over tasks, mean over task types) beside the published rows.
+
+    jaxembed eval --model runs/model --benchmark "MTEB(eng, v2)" --output results
+    jaxembed eval --model runs/model --tasks SciFact,STS12
+    jaxembed eval --model runs/model --local-tasks data/stdlib/heldout.jsonl   # offline, see local_tasks
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jaxembed.evaluation.summary import aggregate, markdown_table
+
+LONGEMBED = "LongEmbed"
+LONGEMBED_MAX_TOKENS = 32768  # the paper's LongEmbed setting (Mistral's context)
+MTEB_MAX_TOKENS = 512  # the paper's MTEB setting, after E5
+
+
+class MissingDataError(RuntimeError):
+    """A task's dataset is neither local nor reachable."""
+
+
+def resolve_tasks(benchmark: str | None, tasks: str | None, local_tasks: str | None):
+    """(tasks, benchmark name or None). Exactly one source of tasks."""
+    import mteb
+
+    given = [x for x in (benchmark, tasks, local_tasks) if x]
+    if len(given) != 1:
+        raise ValueError("give exactly one of --benchmark, --tasks and --local-tasks")
+    if benchmark:
+        try:
+            return list(mteb.get_benchmark(benchmark).tasks), benchmark
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"unknown benchmark {benchmark!r} ({err})") from None
+    if tasks:
+        names = [t.strip() for t in tasks.split(",") if t.strip()]
+        out = []
+        for name in names:
+            try:
+                out.append(mteb.get_task(name))
+            except KeyError:
+                raise ValueError(f"unknown mteb task {name!r}") from None
+        return out, None
+    from jaxembed.evaluation.local_tasks import stdlib_tasks
+
+    path = Path(local_tasks)
+    if not path.is_file():
+        raise ValueError(f"--local-tasks: {path} is not a file (build one with `jaxembed corpus stdlib DIR`)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return stdlib_tasks(rows), None
+
+
+def check_data(tasks) -> None:
+    """Load every task's data first, so a missing dataset is named before hours of encoding."""
+    missing = []
+    for task in tasks:
+        try:
+            task.load_data()
+        except (ConnectionError, OSError, FileNotFoundError) as err:
+            d = task.metadata.dataset or {}
+            missing.append(f"  {task.metadata.name}: dataset {d.get('path')!r} at revision {d.get('revision')!r} "
+                           f"({type(err).__name__}: {str(err).splitlines()[0][:160]})")
+    if missing:
+        raise MissingDataError(
+            f"{len(missing)} of {len(tasks)} tasks have no data here (not in the Hugging Face cache, and the hub is "
+            "unreachable or HF_HUB_OFFLINE=1). Download them on a machine with hub access (the same HF_HOME), "
+            "or run fewer tasks:\n" + "\n".join(missing))
+
+
+def task_scores(result, tasks) -> dict[str, tuple[str, float]]:
+    """mteb's ModelResult -> task name -> (task type, main score)."""
+    types = {t.metadata.name: t.metadata.type for t in tasks}
+    return {tr.task_name: (types[tr.task_name], float(tr.get_score())) for tr in result.task_results}
+
+
+def write_summary(model_name: str, scores, benchmark: str | None, output: Path, encoder) -> str:
+    """summary.md (the table) and summary.json (the numbers, truncation and instruction use)."""
+    output.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(model_name, scores, benchmark)
+    calls = [c.__dict__ for c in encoder.calls]
+    (output / "summary.md").write_text(f"# {model_name}: {benchmark or 'selected tasks'}\n\n{table}")
+    (output / "summary.json").write_text(json.dumps(
+        {"model": model_name, "benchmark": benchmark, "scores": {k: {"type": t, "main_score": s} for k, (t, s) in scores.items()},
+         **aggregate(scores), "encode_calls": calls}, indent=2))
+    return table
+
+
+def cmd_eval(args) -> int:
+    import sys
+
+    import mteb
+
+    import jaxembed
+    from jaxembed.evaluation.encoder import MtebEncoder
+
+    tasks, benchmark = resolve_tasks(args.benchmark, args.tasks, args.local_tasks)
+    if not args.skip_data_check:
+        check_data(tasks)
+    max_length = args.max_length
+    if max_length is None:
+        max_length = LONGEMBED_MAX_TOKENS if benchmark == LONGEMBED else MTEB_MAX_TOKENS
+    model = jaxembed.load(args.model, dtype=args.dtype, tokenizer=args.tokenizer)
+    name = args.name or f"jaxembed/{Path(args.model).resolve().name}"
+    encoder = MtebEncoder(model, name=name, revision=args.revision, max_length=max_length or None,
+                          batch_size=args.batch_size, instructions=args.instructions, template=args.template,
+                          show_progress_bar=not args.quiet)
+    output = Path(args.output)
+    result = mteb.evaluate(encoder, tasks, cache=mteb.ResultCache(output), overwrite_strategy=args.overwrite,
+                           show_progress_bar=not args.quiet)
+    scores = task_scores(result, tasks)
+    table = write_summary(name, scores, benchmark, output / "summary" / name.replace("/", "__"), encoder)
+    print(table)
+    truncated = encoder.truncated()
+    if truncated:
+        print(f"{truncated} texts were cut to {max_length} tokens (per call: summary.json)", file=sys.stderr)
+    return 0
