@@ -45,8 +45,8 @@ def worker(mode: str, length: int) -> dict:
 
     from jaxembed import models
     from jaxembed.embedder import Embedder
-    from jaxembed.evaluation.encoder import MtebEncoder
-    from jaxembed.evaluation.local_tasks import long_document_task
+    from jaxembed.eval.encoder import MtebEncoder
+    from jaxembed.eval.local_tasks import long_document_task
     from jaxembed.testing import make_tokenizer
 
     cfg = common.load_config(common.CONFIGS / "bench-memory-4l-256.yaml")

@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_eval(args) -> int:
-    from jaxembed.evaluation.run import MissingDataError, cmd_eval
+    from jaxembed.eval.run import MissingDataError, cmd_eval
 
     try:
         return cmd_eval(args)

@@ -19,11 +19,11 @@ from scipy.stats import spearmanr  # noqa: E402
 from jaxembed import models  # noqa: E402
 from jaxembed.config import load_config  # noqa: E402
 from jaxembed.embedder import Embedder  # noqa: E402
-from jaxembed.evaluation import run  # noqa: E402
-from jaxembed.evaluation.encoder import MtebEncoder  # noqa: E402
-from jaxembed.evaluation.instructions import TASK_INSTRUCTIONS, TASK_TYPE_INSTRUCTIONS, instruction_for  # noqa: E402
-from jaxembed.evaluation.local_tasks import stdlib_tasks  # noqa: E402
-from jaxembed.evaluation.summary import PAPER_RESULTS, TYPE_ABBREVIATIONS, aggregate, markdown_table  # noqa: E402
+from jaxembed.eval import run  # noqa: E402
+from jaxembed.eval.encoder import MtebEncoder  # noqa: E402
+from jaxembed.eval.instructions import TASK_INSTRUCTIONS, TASK_TYPE_INSTRUCTIONS, instruction_for  # noqa: E402
+from jaxembed.eval.local_tasks import stdlib_tasks  # noqa: E402
+from jaxembed.eval.summary import PAPER_RESULTS, TYPE_ABBREVIATIONS, aggregate, markdown_table  # noqa: E402
 from jaxembed.testing import make_tokenizer  # noqa: E402
 from jaxembed.train.corpus import build_stdlib_corpus  # noqa: E402
 

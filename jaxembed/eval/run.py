@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxembed.evaluation.summary import aggregate, markdown_table
+from jaxembed.eval.summary import aggregate, markdown_table
 
 LONGEMBED = "LongEmbed"
 LONGEMBED_MAX_TOKENS = 32768  # the paper's LongEmbed setting (Mistral's context)
@@ -43,7 +43,7 @@ def resolve_tasks(benchmark: str | None, tasks: str | None, local_tasks: str | N
             except KeyError:
                 raise ValueError(f"unknown mteb task {name!r}") from None
         return out, None
-    from jaxembed.evaluation.local_tasks import stdlib_tasks
+    from jaxembed.eval.local_tasks import stdlib_tasks
 
     path = Path(local_tasks)
     if not path.is_file():
@@ -93,7 +93,7 @@ def cmd_eval(args) -> int:
     import mteb
 
     import jaxembed
-    from jaxembed.evaluation.encoder import MtebEncoder
+    from jaxembed.eval.encoder import MtebEncoder
 
     tasks, benchmark = resolve_tasks(args.benchmark, args.tasks, args.local_tasks)
     if not args.skip_data_check:

@@ -1,6 +1,6 @@
 """jaxembed models as mteb (2.x) encoders, with the paper's instructions (Appendix H).
 
-    from jaxembed.evaluation import MtebEncoder
+    from jaxembed.eval import MtebEncoder
     model = MtebEncoder(jaxembed.load("runs/model"), name="me/mamba2-embed", max_length=512)
     mteb.evaluate(model, mteb.get_tasks(["SciFact"]), cache=mteb.ResultCache("results"))
 
@@ -19,7 +19,7 @@ from mteb.models import ModelMeta
 from mteb.models.abs_encoder import AbsEncoder
 
 from jaxembed.embedder import tokenize_texts
-from jaxembed.evaluation.instructions import applies_to, instruction_for
+from jaxembed.eval.instructions import applies_to, instruction_for
 
 INSTRUCTION_MODES = ("paper", "paper-only", "none")
 # the two templates the paper and E5 use ("{prompt}" is the instruction)

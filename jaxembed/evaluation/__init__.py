@@ -1,1 +1,0 @@
-"""MTEB / LongEmbed evaluation (needs the `eval` extra: mteb). See docs/evaluation.md."""
