@@ -51,6 +51,18 @@ def _retrieval_split(rows, *, top_ranked: bool, instruction: str | None = None) 
     )
 
 
+def _retrieval_task(metadata: TaskMetadata, split: RetrievalSplitData):
+    """An mteb retrieval-family task (retrieval, reranking, instruction reranking) over one test split."""
+
+    class Task(AbsTaskRetrieval):
+        def load_data(self, **kwargs):
+            self.dataset = {"default": {"test": split}}
+            self.data_loaded = True
+
+    Task.metadata = metadata
+    return Task
+
+
 def _modules(rows, n_modules: int):
     """Rows of the n most frequent top-level modules (ties by name), and their label index."""
     counts = Counter(r["module"] for r in rows)
@@ -69,29 +81,16 @@ def stdlib_tasks(rows: list[dict], *, prefix: str = "Stdlib") -> list:
     cls_rows, label = _modules(rows, 4)
     train, test = cls_rows[::2], cls_rows[1::2]
 
-    class Retrieval(AbsTaskRetrieval):
-        metadata = _metadata(f"{prefix}CodeRetrieval", "Retrieval", "ndcg_at_10",
-                             "Docstring summary -> the function's source (without the docstring).")
-
-        def load_data(self, **kwargs):
-            self.dataset = {"default": {"test": _retrieval_split(rows, top_ranked=False)}}
-            self.data_loaded = True
-
-    class Reranking(AbsTaskRetrieval):
-        metadata = _metadata(f"{prefix}CodeReranking", "Reranking", "map_at_1000",
-                             "Rank a docstring's function above other functions of its module.")
-
-        def load_data(self, **kwargs):
-            self.dataset = {"default": {"test": _retrieval_split(rows, top_ranked=True)}}
-            self.data_loaded = True
-
-    class InstructionReranking(AbsTaskRetrieval):
-        metadata = _metadata(f"{prefix}CodeInstructionReranking", "InstructionReranking", "ndcg_at_10",
-                             "Reranking with a per-query instruction in the data.")
-
-        def load_data(self, **kwargs):
-            self.dataset = {"default": {"test": _retrieval_split(rows, top_ranked=True, instruction=INSTRUCTION)}}
-            self.data_loaded = True
+    Retrieval = _retrieval_task(_metadata(f"{prefix}CodeRetrieval", "Retrieval", "ndcg_at_10",
+                                          "Docstring summary -> the function's source (without the docstring)."),
+                                _retrieval_split(rows, top_ranked=False))
+    Reranking = _retrieval_task(_metadata(f"{prefix}CodeReranking", "Reranking", "map_at_1000",
+                                          "Rank a docstring's function above other functions of its module."),
+                                _retrieval_split(rows, top_ranked=True))
+    InstructionReranking = _retrieval_task(
+        _metadata(f"{prefix}CodeInstructionReranking", "InstructionReranking", "ndcg_at_10",
+                  "Reranking with a per-query instruction in the data."),
+        _retrieval_split(rows, top_ranked=True, instruction=INSTRUCTION))
 
     class STS(AbsTaskSTS):
         metadata = _metadata(f"{prefix}DocCodeSTS", "STS", "cosine_spearman",
@@ -186,15 +185,8 @@ def long_document_task(queries: list[str], documents: list[str], name: str = "Lo
     if len(queries) != len(documents) or not queries:
         raise ValueError(f"need one document per query, got {len(queries)} queries and {len(documents)} documents")
 
-    class LongDocuments(AbsTaskRetrieval):
-        metadata = _metadata(name, "Retrieval", "ndcg_at_10", "Long-document retrieval from local text.")
-
-        def load_data(self, **kwargs):
-            split = RetrievalSplitData(
-                corpus=Dataset.from_list([{"id": f"d{i}", "text": d, "title": ""} for i, d in enumerate(documents)]),
-                queries=Dataset.from_list([{"id": f"q{i}", "text": q} for i, q in enumerate(queries)]),
-                relevant_docs={f"q{i}": {f"d{i}": 1} for i in range(len(queries))}, top_ranked=None)
-            self.dataset = {"default": {"test": split}}
-            self.data_loaded = True
-
-    return LongDocuments()
+    split = RetrievalSplitData(
+        corpus=Dataset.from_list([{"id": f"d{i}", "text": d, "title": ""} for i, d in enumerate(documents)]),
+        queries=Dataset.from_list([{"id": f"q{i}", "text": q} for i, q in enumerate(queries)]),
+        relevant_docs={f"q{i}": {f"d{i}": 1} for i in range(len(queries))}, top_ranked=None)
+    return _retrieval_task(_metadata(name, "Retrieval", "ndcg_at_10", "Long-document retrieval from local text."), split)()
