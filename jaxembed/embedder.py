@@ -203,6 +203,8 @@ class Embedder:
         if isinstance(vertical_chunk_size, str):
             if vertical_chunk_size != "auto":
                 raise ValueError(f"vertical_chunk_size must be 'auto', None or an int, got {vertical_chunk_size!r}")
+            if not getattr(self.family, "VERTICAL", True):
+                return None  # attention: horizontal only
             return default_vertical_chunk_size(batch_size, self.chunk_size)
         check_chunk_sizes(vertical_chunk_size, self.chunk_size)
         return None if vertical_chunk_size is None else int(vertical_chunk_size)

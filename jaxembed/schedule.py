@@ -172,10 +172,17 @@ def forward(params, config, ids, *, vertical_chunk_size: int | None = None, chun
         return _forward(params, config, ids, vertical_chunk_size, chunk_size)
 
 
+def _check_vertical(config, vertical_chunk_size) -> None:
+    if vertical_chunk_size is not None and not getattr(models.family(config), "VERTICAL", True):
+        raise ValueError(f"{config.architecture} models have no constant-size state and run horizontally only; "
+                         f"pass vertical_chunk_size=None (got {vertical_chunk_size})")
+
+
 def _forward(params, config, ids, vertical_chunk_size, chunk_size):
     family = models.family(config)
     chunk_size = config.chunk_size if chunk_size is None else chunk_size
     check_chunk_sizes(vertical_chunk_size, chunk_size)
+    _check_vertical(config, vertical_chunk_size)
     ids = jnp.asarray(ids)
     _check_ids(ids)
     if vertical_chunk_size is None or ids.shape[1] <= vertical_chunk_size:
@@ -228,6 +235,7 @@ def _embed(params, config, ids, lengths, vertical_chunk_size, chunk_size, normal
     family = models.family(config)
     chunk_size = config.chunk_size if chunk_size is None else chunk_size
     check_chunk_sizes(vertical_chunk_size, chunk_size)
+    _check_vertical(config, vertical_chunk_size)
     ids = jnp.asarray(ids)
     _check_ids(ids)
     b, t = ids.shape

@@ -15,13 +15,14 @@ import numpy as np
 from jaxembed import models
 from jaxembed.convert import mamba2 as mamba2_layouts
 from jaxembed.convert import rwkv7 as rwkv7_layouts
+from jaxembed.convert import transformer as transformer_layouts
 from jaxembed.convert import xlstm as xlstm_layouts
 from jaxembed.convert.core import convert_tensors
 from jaxembed.convert.sources import ConversionError, TensorSource, fetch_weights, resolve, weight_files
 
 # one entry per model family: detect(dir), rules_for(cfg), ignored_keys(cfg), RENAMES, EXPECTS (what
 # detect looks for, in words), reference(checkpoint) (the PyTorch reference run by --verify)
-LAYOUT_FAMILIES = (mamba2_layouts, rwkv7_layouts, xlstm_layouts)
+LAYOUT_FAMILIES = (mamba2_layouts, rwkv7_layouts, xlstm_layouts, transformer_layouts)
 
 
 @dataclasses.dataclass

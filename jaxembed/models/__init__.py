@@ -7,7 +7,8 @@
     embed_tokens(cfg, params, ids) -> stream, final_norm(cfg, params, hidden),
     param_shapes(cfg), init_params(cfg, key), FLOAT32_PARAMS, LINEAR_PARAMS (the x @ W layer matrices)
 
-and optionally `hidden(stream)`: the residual stream [b, t, d] when a family carries more than
+`VERTICAL = False` where a family has no constant-size state (attention): it runs horizontally only.
+And optionally `hidden(stream)`: the residual stream [b, t, d] when a family carries more than
 that between layers (RWKV7 carries the first layer's values too); default: the stream itself.
 """
 
@@ -20,6 +21,7 @@ _FAMILIES: dict[str, str] = {
     "mamba2": "jaxembed.models.mamba2",
     "rwkv7": "jaxembed.models.rwkv7",
     "xlstm": "jaxembed.models.xlstm",
+    "transformer": "jaxembed.models.transformer",  # Mistral / Qwen2 baselines (horizontal only)
 }
 
 

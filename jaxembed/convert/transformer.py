@@ -1,0 +1,100 @@
+"""Mistral and Qwen2 checkpoints (transformers `MistralModel` / `Qwen2Model` and their CausalLM
+wrappers, `save_pretrained` layout): config.json with model_type "mistral" or "qwen2"."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxembed.convert.core import TRANSPOSE, Rule
+from jaxembed.convert.sources import ConversionError, read_json
+from jaxembed.models.transformer import TransformerConfig
+
+EXPECTS = "Mistral / Qwen2: a transformers config.json (model_type mistral or qwen2)"
+MODEL_TYPES = ("mistral", "qwen2")
+
+LAYER = "layers.{i}."
+RULES = [
+    Rule("embedding", "embed_tokens.weight"),
+    Rule("norm_f", "norm.weight"),
+    Rule("lm_head", "lm_head.weight", optional=True),
+    Rule("layers/attn_norm", LAYER + "input_layernorm.weight"),
+    Rule("layers/wq", LAYER + "self_attn.q_proj.weight", TRANSPOSE),
+    Rule("layers/wk", LAYER + "self_attn.k_proj.weight", TRANSPOSE),
+    Rule("layers/wv", LAYER + "self_attn.v_proj.weight", TRANSPOSE),
+    Rule("layers/bq", LAYER + "self_attn.q_proj.bias"),
+    Rule("layers/bk", LAYER + "self_attn.k_proj.bias"),
+    Rule("layers/bv", LAYER + "self_attn.v_proj.bias"),
+    Rule("layers/wo", LAYER + "self_attn.o_proj.weight", TRANSPOSE),
+    Rule("layers/mlp_norm", LAYER + "post_attention_layernorm.weight"),
+    Rule("layers/w_gate", LAYER + "mlp.gate_proj.weight", TRANSPOSE),
+    Rule("layers/w_up", LAYER + "mlp.up_proj.weight", TRANSPOSE),
+    Rule("layers/w_down", LAYER + "mlp.down_proj.weight", TRANSPOSE),
+]
+RENAMES = [(r"^model\.", "")]
+
+
+def rules_for(cfg: TransformerConfig) -> list[Rule]:
+    return RULES if cfg.qkv_bias else [r for r in RULES if not r.path.startswith("layers/b")]
+
+
+def ignored_keys(cfg: TransformerConfig) -> list[str]:
+    return ["lm_head.weight"] if cfg.tie_embeddings else []
+
+
+def detect(directory: Path):
+    config_json = directory / "config.json"
+    if not config_json.exists():
+        return None
+    raw = read_json(config_json)
+    if not isinstance(raw, dict) or raw.get("model_type") not in MODEL_TYPES:
+        return None
+    return "transformers", _config(raw, str(config_json)), ()
+
+
+def _config(raw: dict, origin: str) -> TransformerConfig:
+    model_type = raw["model_type"]
+    try:
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ConversionError(f"{origin}: hidden_act={raw['hidden_act']!r}; only SiLU (SwiGLU) is supported")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ConversionError(f"{origin}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
+        theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        window = raw.get("sliding_window")
+        if model_type == "qwen2":
+            window = _qwen2_window(raw, origin)
+        eos = raw.get("eos_token_id")
+        return TransformerConfig(
+            vocab_size=raw["vocab_size"], d_model=raw["hidden_size"], n_layers=raw["num_hidden_layers"],
+            n_heads=raw["num_attention_heads"], n_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+            d_ff=raw["intermediate_size"], head_dim=raw.get("head_dim"), rope_theta=float(theta),
+            sliding_window=window, qkv_bias=model_type == "qwen2", norm_eps=raw.get("rms_norm_eps", 1e-6),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos, pad_token_id=raw.get("pad_token_id"),
+        )
+    except KeyError as err:
+        raise ConversionError(f"{origin}: not a valid {model_type} config (missing field {err})") from None
+
+
+def _qwen2_window(raw: dict, origin: str):
+    """Qwen2 uses its window only with use_sliding_window, and only on layers >= max_window_layers."""
+    if not raw.get("use_sliding_window", False) or raw.get("sliding_window") is None:
+        return None
+    if raw.get("max_window_layers", 0) > 0:
+        raise ConversionError(f"{origin}: Qwen2 with sliding windows on some layers only (max_window_layers="
+                              f"{raw['max_window_layers']}) is not supported")
+    return raw["sliding_window"]
+
+
+def reference(checkpoint):
+    """transformers' MistralModel / Qwen2Model (float32, eager attention) on the source tensors."""
+    import transformers
+
+    from jaxembed.convert.verify import transformers_reference
+
+    raw = read_json(checkpoint.directory / "config.json")
+    cls = transformers.MistralModel if raw["model_type"] == "mistral" else transformers.Qwen2Model
+    hf_config = transformers.AutoConfig.for_model(**raw)
+    hf_config._attn_implementation = "eager"
+    model = cls(hf_config).float().eval()
+    return transformers_reference(model, checkpoint, r"^model\.")
