@@ -126,6 +126,9 @@ class Embedder:
     # ---- text -------------------------------------------------------------------------
     def tokenize(self, texts: Sequence[str], *, max_length: int | None = None) -> list[list[int]]:
         """Token ids with EOS appended. With max_length, longer texts are cut (keeping EOS) and counted."""
+        return self._tokenize(texts, max_length)[0]
+
+    def _tokenize(self, texts, max_length):
         if self.tokenizer is None:
             raise ValueError(
                 "this embedder has no tokenizer: pass tokenizer=... to jaxembed.load (a path, a hub id or a "
@@ -134,8 +137,9 @@ class Embedder:
         _check_positive_int("max_length", max_length, optional=True)
         out, truncated = tokenize_texts(self.tokenizer, texts, self.eos_token_id, max_length)
         if truncated:
-            warnings.warn(f"max_length={max_length}: truncated {truncated} of {len(out)} texts", stacklevel=3)
-        return out
+            warnings.warn(f"max_length={max_length}: truncated {truncated} of {len(out)} texts (counted in "
+                          f"last_stats['truncated'])", stacklevel=3)
+        return out, truncated
 
     def encode(
         self,
@@ -163,7 +167,7 @@ class Embedder:
             if not isinstance(prompt, str):
                 raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
             texts = [prompt + t for t in texts]
-        ids = self.tokenize(texts, max_length=max_length)
+        ids, truncated = self._tokenize(texts, max_length)
         out = self.encode_ids(
             ids,
             normalize_embeddings=normalize_embeddings,
@@ -172,6 +176,7 @@ class Embedder:
             show_progress_bar=show_progress_bar,
             max_tokens_per_batch=max_tokens_per_batch,
         )
+        self.last_stats["truncated"] = truncated
         if not convert_to_numpy:
             out = jnp.asarray(out)
         return out[0] if single else out

@@ -4,7 +4,7 @@
     model = MtebEncoder(jaxembed.load("runs/model"), name="me/mamba2-embed", max_length=512)
     mteb.evaluate(model, mteb.get_tasks(["SciFact"]), cache=mteb.ResultCache("results"))
 
-Every call goes through `Embedder.encode`: EOS appended, length-sorted buckets, vertical chunking
+Every call goes through `Embedder.encode(texts, prompt=prefix)`: EOS appended, length-sorted buckets, vertical chunking
 ("auto": Appendix F's V), so a 32k-token LongEmbed document runs in the memory of V tokens.
 `calls` records, per encode call, the task, the text role, the prefix used and the truncation
 count, so what reached the model can be checked and reported.
@@ -12,13 +12,13 @@ count, so what reached the model can be checked and reported.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 from mteb.models import ModelMeta
 from mteb.models.abs_encoder import AbsEncoder
 
-from jaxembed.embedder import tokenize_texts
 from jaxembed.eval.instructions import applies_to, instruction_for
 
 INSTRUCTION_MODES = ("paper", "paper-only", "none")
@@ -103,13 +103,13 @@ class MtebEncoder(AbsEncoder):
         texts = [text for batch in inputs for text in batch["text"]]
         role = None if prompt_type is None else getattr(prompt_type, "value", prompt_type)
         prefix, source = self.prefix(task_metadata, role)
-        if self.model.tokenizer is None:
-            raise ValueError("the embedder has no tokenizer; load the model with one (jaxembed.load(..., tokenizer=...))")
-        ids, truncated = tokenize_texts(self.model.tokenizer, [prefix + t for t in texts], self.model.eos_token_id,
-                                        self.max_length)
-        self.calls.append(EncodeCall(task_metadata.name, task_metadata.type, role, prefix, source, len(texts), truncated))
-        return self.model.encode_ids(ids, batch_size=self.batch_size, vertical_chunk_size=self.vertical_chunk_size,
-                                     show_progress_bar=self.show_progress_bar)
+        with warnings.catch_warnings():  # cuts are counted per call (self.calls) and reported once
+            warnings.simplefilter("ignore", UserWarning)
+            out = self.model.encode(texts, prompt=prefix or None, max_length=self.max_length, batch_size=self.batch_size,
+                                    vertical_chunk_size=self.vertical_chunk_size, show_progress_bar=self.show_progress_bar)
+        self.calls.append(EncodeCall(task_metadata.name, task_metadata.type, role, prefix, source, len(texts),
+                                     self.model.last_stats.get("truncated", 0)))
+        return out
 
     def similarity(self, embeddings1, embeddings2):
         """Cosine similarity [n, m]; a 1-D argument drops its axis (two vectors give a scalar)."""

@@ -53,18 +53,24 @@ def resolve_tasks(benchmark: str | None, tasks: str | None, local_tasks: str | N
 
 
 def check_data(tasks) -> None:
-    """Load every task's data first, so a missing dataset is named before hours of encoding."""
+    """Load every task's data first, so a missing dataset is named before hours of encoding.
+    Aggregate tasks (MTEB(eng, v1)'s CQADupstackRetrieval) are checked subtask by subtask."""
+    from mteb.abstasks.aggregated_task import AbsTaskAggregate
+
+    leaves = [leaf for task in tasks
+              for leaf in (task.metadata.tasks if isinstance(task, AbsTaskAggregate) else [task])]
     missing = []
-    for task in tasks:
+    for task in leaves:
         try:
             task.load_data()
-        except (ConnectionError, OSError, FileNotFoundError) as err:
+        except (ConnectionError, OSError) as err:  # OSError covers datasets' DatasetNotFoundError
             d = task.metadata.dataset or {}
-            missing.append(f"  {task.metadata.name}: dataset {d.get('path')!r} at revision {d.get('revision')!r} "
+            config = f", config {d['name']!r}" if d.get("name") else ""
+            missing.append(f"  {task.metadata.name}: dataset {d.get('path')!r} at revision {d.get('revision')!r}{config} "
                            f"({type(err).__name__}: {str(err).splitlines()[0][:160]})")
     if missing:
         raise MissingDataError(
-            f"{len(missing)} of {len(tasks)} tasks have no data here (not in the Hugging Face cache, and the hub is "
+            f"{len(missing)} of {len(leaves)} tasks have no data here (not in the Hugging Face cache, and the hub is "
             "unreachable or HF_HUB_OFFLINE=1). Download them on a machine with hub access (the same HF_HOME), "
             "or run fewer tasks:\n" + "\n".join(missing))
 
