@@ -11,8 +11,9 @@ params = {
   "lm_head": [vocab, d] (only when embeddings are untied),
 }
 
-RoPE (rotate-half form), grouped-query attention through `jax.nn.dot_product_attention` (cuDNN
-flash attention on GPU where it applies), an optional sliding window (token i sees the
+RoPE (rotate-half form), grouped-query attention (`jaxembed.ops.attention`: cuDNN flash
+attention through `jax.nn.dot_product_attention` on GPU, FlashAttention's blockwise schedule in
+XLA elsewhere), an optional sliding window (token i sees the
 `sliding_window` tokens up to and including itself, as transformers' Mistral), SwiGLU MLP,
 RMSNorm. Attention has no fixed-size state: these models run horizontally only (their memory
 grows with the length, which is the comparison the paper draws), so `VERTICAL = False`.
@@ -26,7 +27,9 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxembed import kernels as kernel_backends
 from jaxembed import weights
+from jaxembed.ops import attention as ops_attention
 from jaxembed.config import ConfigError
 
 F32 = jnp.float32
@@ -140,6 +143,14 @@ def rope(x, theta: float):
     return (x.astype(F32) * cos[None, :, None] + rotated * sin[None, :, None]).astype(x.dtype)
 
 
+def attention_op(q, k, v, window):
+    """cuDNN flash attention where the kernels backend is the GPU's and the dtype suits it;
+    elsewhere the blockwise XLA form (memory linear in the length, like FlashAttention)."""
+    if kernel_backends.resolve() == "pallas" and q.dtype in (jnp.bfloat16, jnp.float16):
+        return ops_attention.flash(q, k, v, window)
+    return ops_attention.blockwise(q, k, v, window)
+
+
 def attention(cfg: TransformerConfig, p: dict, u):
     b, t, _ = u.shape
     dtype = u.dtype
@@ -147,8 +158,7 @@ def attention(cfg: TransformerConfig, p: dict, u):
     k = weights.linear(u, p["wk"], bias=p.get("bk")).astype(dtype).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
     v = weights.linear(u, p["wv"], bias=p.get("bv")).astype(dtype).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
     q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
-    window = None if cfg.sliding_window is None else (cfg.sliding_window - 1, 0)
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window)
+    out = attention_op(q, k, v, cfg.sliding_window)
     return weights.linear(out.reshape(b, t, cfg.n_heads * cfg.head_dim), p["wo"])
 
 
