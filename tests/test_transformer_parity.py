@@ -99,9 +99,9 @@ def test_blockwise_attention_against_the_definition(t, window, block):
     q = rng.standard_normal((2, t, 4, 16)).astype(np.float32)
     k, v = (rng.standard_normal((2, t, 2, 16)).astype(np.float32) for _ in range(2))
     ref = _softmax_attention(q, k, v, window)
-    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))  # noqa: E731
-    value_and_grad = lambda f: jax.jit(jax.value_and_grad(loss(f), argnums=(0, 1, 2)))  # noqa: E731
-    blockwise = lambda q, k, v: attention.blockwise(q, k, v, window, block)  # noqa: E731
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+    value_and_grad = lambda f: jax.jit(jax.value_and_grad(loss(f), argnums=(0, 1, 2)))
+    blockwise = lambda q, k, v: attention.blockwise(q, k, v, window, block)
     out = np.asarray(jax.jit(blockwise)(q, k, v))
     assert rel_err(out, ref) < TOLERANCE["float32"]
     _, grads = value_and_grad(blockwise)(q, k, v)

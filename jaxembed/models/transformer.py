@@ -29,8 +29,8 @@ import jax.numpy as jnp
 
 from jaxembed import kernels as kernel_backends
 from jaxembed import weights
-from jaxembed.ops import attention as ops_attention
 from jaxembed.config import ConfigError
+from jaxembed.ops import attention as ops_attention
 
 F32 = jnp.float32
 VERTICAL = False  # no constant-size state: the scheduler runs the whole sequence at once
