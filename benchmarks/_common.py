@@ -1,6 +1,6 @@
 """Shared pieces of the benchmark scripts: thread pinning, the three implementations, timing.
 
-Import order matters: `pin_threads` must run before jax or torch is imported, so that every
+Import order matters: `pin_threads` must run before jax or torch starts computing, so that every
 method in a run sees the same CPUs (XLA sizes its thread pool from the process's CPU affinity,
 torch from `torch.set_num_threads`, BLAS libraries from the *_NUM_THREADS variables).
 Nothing here runs at import time.
@@ -9,12 +9,21 @@ Nothing here runs at import time.
 from __future__ import annotations
 
 import os
-import platform
-import resource
-import statistics
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from jaxembed.bench import measure
+from jaxembed.bench.measure import (  # noqa: F401 (re-exported for the scripts)
+    Timing,
+    available_memory_mib,
+    cpu_model,
+    current_rss_mib,
+    fmt_len,
+    hwm_rss_mib,
+    parse_int_list,
+    peak_rss_mib,
+    reset_peak_rss,
+    time_run,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs" / "models"
@@ -34,93 +43,11 @@ def peers_for(cfg) -> tuple[str, ...]:
     return PEERS_BY_ARCH[cfg.architecture]
 
 
-# ---- environment --------------------------------------------------------------------------
+# ---- environment, memory, timing: jaxembed.bench.measure (shared with `jaxembed bench`) ------
 def pin_threads(threads: int | None) -> dict:
-    """Restrict this process (and its children) to `threads` CPUs, for jax, torch and BLAS alike.
-
-    Call before importing jax or torch. Returns a description of the settings for the log.
-    """
+    """measure.pin_threads, on the CPU backend unless JAX_PLATFORMS says otherwise."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if threads is not None:
-        if threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {threads}")
-        if threads > len(cpus):
-            print(f"warning: --threads {threads} > {len(cpus)} available CPUs; using {len(cpus)}")
-            threads = len(cpus)
-        cpus = cpus[:threads]
-        if hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, cpus)
-    n = len(cpus)
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ[var] = str(n)
-    return {
-        "threads": n,
-        "cpus": ",".join(map(str, cpus)),
-        "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", ""),
-    }
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def peak_rss_mib() -> float:
-    """Peak resident set size of this process so far (ru_maxrss is KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _proc_status_mib(field: str, pid: int | str = "self") -> float:
-    """A memory field of /proc/<pid>/status (VmRSS, VmHWM, ...) in MiB; NaN where unavailable."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError):
-        pass
-    return float("nan")
-
-
-def current_rss_mib(pid: int | str = "self") -> float:
-    return _proc_status_mib("VmRSS", pid)
-
-
-def reset_peak_rss() -> bool:
-    """Reset the kernel's high-water mark VmHWM (not ru_maxrss) so that `hwm_rss_mib` measures
-    the peak from now on. Linux only; returns False where it is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def hwm_rss_mib() -> float:
-    """Peak RSS since the last `reset_peak_rss` (or since the start)."""
-    return _proc_status_mib("VmHWM")
-
-
-def available_memory_mib() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError):
-        pass
-    return float("nan")
+    return measure.pin_threads(threads)
 
 
 def versions() -> dict:
@@ -302,59 +229,3 @@ def build(method: str, cfg, ids, *, vertical_chunk_size=None, threads: int = 1, 
     if method == "rwkv":
         return build_rwkv(cfg, ids, threads, seed)
     raise ValueError(f"unknown method {method!r}")
-
-
-# ---- timing -------------------------------------------------------------------------------
-@dataclass
-class Timing:
-    warmup_s: float  # the first call: compilation (jax) plus one run
-    times_s: list[float] = field(default_factory=list)
-
-    @property
-    def min_s(self) -> float:
-        return min(self.times_s)
-
-    @property
-    def mean_s(self) -> float:
-        return statistics.fmean(self.times_s)
-
-    @property
-    def std_s(self) -> float:
-        return statistics.stdev(self.times_s) if len(self.times_s) > 1 else 0.0
-
-
-def time_run(run, repeats: int, warmup: int = 1) -> Timing:
-    """`warmup` untimed calls (the first one compiles), then `repeats` timed ones."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    t0 = time.perf_counter()
-    run()
-    first = time.perf_counter() - t0
-    for _ in range(max(0, warmup - 1)):
-        run()
-    out = Timing(first)
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        out.times_s.append(time.perf_counter() - t0)
-    return out
-
-
-def parse_int_list(text: str) -> list[int]:
-    """'8k,16384,1M' -> [8192, 16384, 1048576] (k = 1024)."""
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        mult = 1
-        if part.endswith("k"):
-            mult, part = 1024, part[:-1]
-        elif part.endswith("m"):
-            mult, part = 1024 * 1024, part[:-1]
-        out.append(int(part) * mult)
-    return out
-
-
-def fmt_len(n: int) -> str:
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,9 +28,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 
+from jaxembed.bench import measure  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = common.CONFIGS / "bench-memory-4l-256.yaml"
-RESULT_MARK = "@@SPEED_MEMORY_RESULT@@"
 FLATNESS_LIMIT = 1.10
 
 CSV_FIELDS = ["method", "label", "vertical_chunk_size", "length", "batch", "status", "min_s", "mean_s", "times_s",
@@ -64,7 +63,7 @@ def worker(args) -> int:
         timing = common.time_run(run, args.repeats, warmup=1)
         if hwm_reset:
             result["run_peak_rss_mib"] = common.hwm_rss_mib()
-        result.update(status="ok", first_call_s=timing.warmup_s, times_s=timing.times_s, min_s=timing.min_s,
+        result.update(status="ok", first_call_s=timing.first_s, times_s=timing.times_s, min_s=timing.min_s,
                       mean_s=timing.mean_s, tokens_per_s=args.batch * args.length / timing.min_s)
     except MemoryError as err:
         result.update(status="out of memory", error=f"MemoryError: {err}"[:300])
@@ -75,7 +74,7 @@ def worker(args) -> int:
     # ru_maxrss at the end (KiB on Linux), combined with the reading taken before the reset:
     # the process's lifetime peak, as ru_maxrss alone would report it without the reset
     result["peak_rss_mib"] = max(common.peak_rss_mib(), build_peak[0])
-    print(RESULT_MARK + json.dumps(result), flush=True)
+    measure.report(result)
     return 0 if result["status"] == "ok" else 1
 
 
@@ -86,42 +85,7 @@ def run_point(args, method: str, V: int | None, length: int) -> dict:
            "--length", str(length), "--vertical-chunk-size", str(V or 0), "--config", str(args.config),
            "--batch", str(args.batch), "--repeats", str(args.repeats), "--threads", str(args.threads),
            "--seed", str(args.seed)] + (["--no-hwm-reset"] if args.no_hwm_reset else [])
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    # a thread drains stdout so a chatty worker never blocks on a full pipe
-    import threading
-
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    killed, observed_rss = None, 0.0
-    while proc.poll() is None:
-        time.sleep(0.2)
-        rss = common.current_rss_mib(proc.pid)
-        if rss == rss:  # not NaN (the child may just have exited)
-            observed_rss = max(observed_rss, rss)
-        if time.perf_counter() - t0 > args.timeout:
-            killed = f"timeout (> {args.timeout:.0f} s)"
-        elif args.memory_limit_mib and observed_rss > args.memory_limit_mib:
-            killed = f"over memory limit (RSS > {args.memory_limit_mib:.0f} MiB)"
-        if killed:
-            proc.kill()
-            proc.wait()
-            break
-    reader.join(timeout=5)
-    wall = time.perf_counter() - t0
-    out = {"wall_s": wall}
-    for line in lines:
-        if line.startswith(RESULT_MARK):
-            out.update(json.loads(line[len(RESULT_MARK):]))
-    if killed:
-        out.update(status="timeout" if killed.startswith("timeout") else "out of memory", error=killed,
-                   peak_rss_mib=max(out.get("peak_rss_mib", 0.0), observed_rss))
-    elif "status" not in out:  # died without reporting (e.g. killed by the kernel's OOM killer)
-        tail = " | ".join(ln.strip() for ln in lines[-3:] if ln.strip())
-        status = "out of memory" if proc.returncode in (-9, 137) else "failed"
-        out.update(status=status, error=f"exit code {proc.returncode}: {tail}"[:300], peak_rss_mib=observed_rss)
-    return out
+    return measure.run_fresh(cmd, timeout=args.timeout, memory_limit_mib=args.memory_limit_mib)
 
 
 def method_label(method: str, V: int | None, tag: str = "") -> str:
@@ -198,8 +162,7 @@ def plot(rows: list[dict], labels: list[str], path: Path, title: str) -> None:
 def parent(args) -> int:
     env = common.pin_threads(args.threads)  # children inherit the affinity and re-apply it
     if args.memory_limit_mib is None:
-        avail = common.available_memory_mib()
-        args.memory_limit_mib = min(16384.0, 0.6 * avail) if avail == avail else 16384.0
+        args.memory_limit_mib = measure.default_memory_limit_mib()
     from jaxembed.embedder import default_vertical_chunk_size  # imports jax, but runs nothing
 
     lengths = common.parse_int_list(args.lengths)

@@ -1,5 +1,6 @@
 """Command line: `jaxembed convert SRC DST`, `jaxembed embed --model PATH [FILES]`, `jaxembed train CONFIG.yaml`,
-`jaxembed corpus stdlib OUT_DIR` and `jaxembed eval --model PATH --benchmark NAME | --tasks A,B`."""
+`jaxembed corpus stdlib OUT_DIR`, `jaxembed eval --model PATH --benchmark NAME | --tasks A,B` and
+`jaxembed bench NAME` (chunk-size, vertical-chunk-size, model-comparison)."""
 
 from __future__ import annotations
 
@@ -180,7 +181,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-data-check", action="store_true", help="do not load every dataset before encoding")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("bench", help="the paper's runtime / memory sweeps: chunk-size, vertical-chunk-size, "
+                                     "model-comparison (CSV, figures, tables)")
+    p.add_argument("sweep", nargs="?", help="a named sweep (configs/bench/NAME.yaml) or a spec .yaml")
+    p.add_argument("--list", action="store_true", help="list the named sweeps")
+    p.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto",
+                   help="which shapes of the spec to run (auto: gpu when jax sees one)")
+    p.add_argument("--output", default=None, help="output folder (default: bench-results/NAME-PLATFORM)")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per point (default: the spec's, 3)")
+    p.add_argument("--batch", default=None, help="only these batch sizes of the spec, e.g. 1")
+    p.add_argument("--lengths", default=None, help="replace the spec's lengths, e.g. 512,2k,8k")
+    p.add_argument("--series", default=None, help="only these series (labels, comma-separated)")
+    p.add_argument("--timeout", type=float, default=900.0, help="per-point wall-clock limit, s (default 900)")
+    p.add_argument("--memory-limit-mib", type=float, default=None,
+                   help="kill a point whose RSS exceeds this (default: 60%% of available memory, at most 16 GiB)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per point (default: all available)")
+    p.add_argument("--quiet", action="store_true", help="no per-point lines")
+    p.set_defaults(func=_cmd_bench)
     return parser
+
+
+def _cmd_bench(args) -> int:
+    from jaxembed.bench import cmd_bench
+
+    return cmd_bench(args)
 
 
 def _cmd_eval(args) -> int:

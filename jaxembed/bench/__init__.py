@@ -1,0 +1,98 @@
+"""`jaxembed bench NAME`: the paper's inference experiments (Section 4.2, Appendix F) as named sweeps.
+
+    chunk-size            runtime and memory versus length for intra-layer chunk sizes Q,
+                          horizontal inference, batch 1 and 128 (the paper's chunk-size figure)
+    vertical-chunk-size   vertical chunk sizes V at Q = 256, and horizontal, batch 1 and 32
+    model-comparison      Mamba2, RWKV7 and xLSTM (vertical, the paper's V per batch) against
+                          Mistral v0.1 (sliding window 4096) and v0.3 (full attention), batch 1 and 32
+
+Specs live in `configs/bench/<name>.yaml`: the real 7B shapes on a GPU, proportionally
+scaled-down shapes on a CPU. Each point runs in a fresh process, repeated (three times by
+default) and reported as mean, min and max. Memory is the device allocator's peak on a GPU and
+the fresh process's peak RSS on a CPU. Output: `results.csv`, `<name>.png` (the paper's layout)
+and `README.md` (tables and the machine) in the output folder.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+from jaxembed.bench.sweep import SpecError, available, load_sweep, run_sweep
+
+__all__ = ["SpecError", "available", "cmd_bench", "load_sweep", "run_sweep"]
+
+
+def cmd_bench(args) -> int:
+    from jaxembed.bench import plot
+    from jaxembed.bench import sweep as sweeps
+
+    if args.list:
+        for name in available():
+            s = load_sweep(name, "cpu")
+            print(f"{name}: {s.title}")
+        return 0
+    if not args.sweep:
+        raise SpecError("name a sweep (" + ", ".join(available()) + ") or a spec .yaml; --list shows them")
+    platform = args.platform if args.platform != "auto" else sweeps.detect_platform()
+    sweep = load_sweep(args.sweep, platform)
+    sweep = _narrow(sweep, args)
+    out_dir = Path(args.output or f"bench-results/{sweep.name}-{platform}")
+    n_points = sum(len(v) for v in sweep.lengths.values()) * len(sweep.series)
+    print(f"# {sweep.name} on {platform}: {len(sweep.series)} series x {n_points // len(sweep.series)} "
+          f"(batch, length) points, {args.repeats or sweep.repeats} timed calls each, {sweep.dtype}; "
+          f"each point in a fresh process (timeout {args.timeout:.0f} s) -> {out_dir}", flush=True)
+    log = (lambda *_: None) if args.quiet else (lambda line: print(line, flush=True))
+    rows = run_sweep(sweep, out_dir, repeats=args.repeats, timeout=args.timeout,
+                     memory_limit_mib=args.memory_limit_mib, threads=args.threads, log=log)
+    machine = sweeps.machine_line(rows, platform)
+    date = datetime.date.today().isoformat()
+    tables = sweeps.markdown_tables(rows, sweep)
+    png = plot.figure(rows, sweep, out_dir / f"{sweep.name}.png", subtitle=f"{machine}, {sweep.dtype}, {date}")
+    setup = (f"Machine: {machine}. Spec: `{sweep.path.name}`, dtype {sweep.dtype}, {args.repeats or sweep.repeats} "
+             "timed calls per point after a compiling one, each point in a fresh process.")
+    summary = [f"# {sweep.title}", "", f"`jaxembed bench {args.sweep}` on {platform}, {date}.", "", setup, "",
+               f"![{sweep.name}]({png.name})", "", tables]
+    flat = []
+    for s in sweep.series:
+        for batch in sweep.lengths:
+            V = s.vertical_for(batch)
+            ratio = sweeps.flatness(rows, s.label, batch, beyond=V or 0)
+            if ratio is not None:
+                where = f"beyond V={V}" if V else "over all lengths"
+                flat.append(f"| {s.label} | {batch} | {where} | {ratio:.3f} |")
+    if flat:
+        summary += ["**peak memory, max/min across lengths**", "", "| series | batch | lengths | max/min |",
+                    "|---|---|---|---|", *flat, ""]
+    (out_dir / "README.md").write_text("\n".join(summary))
+    print("\n" + tables)
+    if flat:
+        print("peak memory max/min across lengths:\n" + "\n".join(flat))
+    print(f"\nwrote {out_dir / 'results.csv'}, {png}, {out_dir / 'README.md'}")
+    return 0
+
+
+def _narrow(sweep, args):
+    """--batch, --lengths and --series restrict the spec (for quick checks)."""
+    import dataclasses
+
+    from jaxembed.bench.measure import parse_int_list
+
+    lengths = sweep.lengths
+    if args.batch:
+        wanted = parse_int_list(args.batch)
+        unknown = [b for b in wanted if b not in lengths]
+        if unknown:
+            raise SpecError(f"--batch {unknown} not in the spec's batch sizes {sorted(lengths)}")
+        lengths = {b: lengths[b] for b in wanted}
+    if args.lengths:
+        chosen = parse_int_list(args.lengths)
+        lengths = {b: chosen for b in lengths}
+    series = sweep.series
+    if args.series:
+        names = [s.strip() for s in args.series.split(",") if s.strip()]
+        unknown = [n for n in names if n not in {s.label for s in series}]
+        if unknown:
+            raise SpecError(f"--series {unknown}: the spec's series are {[s.label for s in series]}")
+        series = tuple(s for s in series if s.label in names)
+    return dataclasses.replace(sweep, lengths=lengths, series=series)

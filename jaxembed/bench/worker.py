@@ -1,0 +1,135 @@
+"""One benchmark point in a fresh process: `python -m jaxembed.bench.worker '<json point>'`.
+
+The point names a model config (plus overrides), the intra-layer chunk size Q, the vertical
+chunk size V (null: horizontal), batch, length, dtype, repeats and platform. The worker builds
+random weights, compiles `jaxembed.embed` under `jax.jit` with one call, times `repeats` more
+calls, and prints one result line (`measure.report`). Memory:
+
+* GPU: the device allocator's `peak_bytes_in_use` (`jax.Device.memory_stats()`). The weights
+  are built on the host and copied over leaf by leaf, so the device never holds more than the
+  weights before the first call, and the peak is the run's: weights plus activations.
+* CPU: the process's peak RSS (`ru_maxrss`), which includes the Python/JAX runtime (~0.5 GiB)
+  and the weights; `run_peak_rss_mib` is the peak while compiling and running only (VmHWM reset
+  after the build).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from jaxembed.bench import measure
+
+
+def bench_params(cfg, dtype: str, seed: int, device):
+    """Random weights of cfg's shapes in `dtype` on `device`, without an init transient there.
+
+    One layer is drawn by the family's own `init_params` on the host and repeated over the
+    layers (speed and memory do not depend on the values; a 7B model's full random draw would
+    take minutes per point). Decay parameters stay float32, as `Embedder` keeps them.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxembed import models
+
+    family = models.family(cfg)
+    keep_float32 = getattr(family, "FLOAT32_PARAMS", ())
+    with jax.default_device(jax.devices("cpu")[0]):
+        one = family.init_params(dataclasses.replace(cfg, n_layers=1), jax.random.key(seed))
+    target = jnp.dtype(dtype)
+
+    def place(path, leaf):
+        arr = np.asarray(leaf)
+        if np.issubdtype(arr.dtype, np.floating):
+            arr = arr.astype(np.float32 if str(getattr(path[-1], "key", "")) in keep_float32 else target)
+        if str(getattr(path[0], "key", "")) == "layers":
+            arr = np.broadcast_to(arr, (cfg.n_layers, *arr.shape[1:]))
+        return jax.device_put(np.ascontiguousarray(arr), device)
+
+    return jax.tree_util.tree_map_with_path(place, one)
+
+
+def load_point_config(point: dict):
+    from jaxembed.config import load_config
+
+    cfg = load_config(point["config"])
+    overrides = point.get("overrides") or {}
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def run(point: dict) -> dict:
+    gpu = point["platform"] == "gpu"
+    if gpu:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # allocate as used: the peak is the run's
+        env = {"threads": None}
+    else:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        env = measure.pin_threads(point.get("threads"))  # before jax starts its client
+    result: dict = {"env": env}
+    build_peak = 0.0
+    try:
+        import jax
+        import numpy as np
+
+        from jaxembed.schedule import embed
+
+        device = jax.devices()[0]
+        if gpu and device.platform != "gpu":
+            raise RuntimeError(f"platform gpu asked for, but jax's device is {device.platform}")
+        result["device"] = device.device_kind
+        cfg = load_point_config(point)
+        t0 = time.perf_counter()
+        params = bench_params(cfg, point["dtype"], point.get("seed", 0), device)
+        rng = np.random.default_rng(point.get("seed", 0))
+        ids = jax.device_put(rng.integers(0, cfg.vocab_size, (point["batch"], point["length"]), dtype=np.int32),
+                             device)
+        lengths = jax.device_put(np.full((point["batch"],), point["length"], np.int32), device)
+        fn = jax.jit(lambda p, i, n: embed(p, cfg, i, n, vertical_chunk_size=point.get("vertical_chunk_size"),
+                                           chunk_size=point.get("chunk_size")))
+        jax.block_until_ready((params, ids, lengths))
+        result["build_s"] = time.perf_counter() - t0
+        result["weights_mib"] = sum(x.nbytes for x in jax.tree.leaves(params)) / 2**20
+        result["baseline_rss_mib"] = measure.current_rss_mib()
+        hwm_reset = False
+        if not gpu:  # leave out the host transient of building the weights from the run's own peak
+            build_peak = result["build_peak_rss_mib"] = measure.peak_rss_mib()
+            hwm_reset = measure.reset_peak_rss()
+
+        def call():
+            return fn(params, ids, lengths).block_until_ready()
+
+        timing = measure.time_run(call, point["repeats"])
+        out = np.asarray(call())
+        if not np.isfinite(out).all():
+            raise FloatingPointError("the embeddings are not finite")
+        if hwm_reset:
+            result["run_peak_rss_mib"] = measure.hwm_rss_mib()
+        if gpu:
+            stats = device.memory_stats() or {}
+            result["peak_device_mib"] = stats.get("peak_bytes_in_use", float("nan")) / 2**20
+        result.update(status="ok", first_call_s=timing.first_s, times_s=timing.times_s, mean_s=timing.mean_s,
+                      min_s=timing.min_s, max_s=timing.max_s)
+    except Exception as err:
+        result["status"], result["error"] = measure.classify_error(err)
+    # ru_maxrss now, with the readings taken before the reset and of VmHWM (the kernel updates the
+    # two counters lazily, so either may lag by a few hundred KiB): the process's lifetime peak
+    result["peak_rss_mib"] = max(measure.peak_rss_mib(), build_peak, result.get("run_peak_rss_mib", 0.0))
+    return result
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m jaxembed.bench.worker '<json point>'")
+    result = run(json.loads(argv[0]))
+    measure.report(result)
+    return 0 if result["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

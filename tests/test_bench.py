@@ -1,0 +1,108 @@
+"""`jaxembed bench`: the named specs are valid on both platforms, a tiny sweep runs end to end in
+fresh processes (CSV with three timed repeats per point, figure, tables), points over the memory
+limit are recorded and the longer ones skipped, and bad specs fail with errors that name the problem."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from jaxembed.bench import sweep as sweeps
+from jaxembed.cli import main
+
+TINY_MODELS = {
+    "mamba2": dict(architecture="mamba2", vocab_size=64, d_model=32, n_layers=2, d_state=8, head_dim=8, n_groups=1,
+                   chunk_size=16),
+    "transformer": dict(architecture="transformer", vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                        d_ff=48, sliding_window=100),
+}
+
+
+def write_spec(tmp_path: Path, series: list[dict], lengths=None) -> Path:
+    for name, cfg in TINY_MODELS.items():
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    spec = {"name": "tiny", "title": "tiny sweep", "repeats": 3,
+            "platforms": {"cpu": {"dtype": "float32", "lengths": lengths or {1: [48, 160], 2: [96]},
+                                  "series": series}}}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.parametrize("name", ["chunk-size", "vertical-chunk-size", "model-comparison"])
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_named_sweeps_are_valid(name, platform):
+    sweep = sweeps.load_sweep(name, platform)
+    sweeps.check_points(sweep)  # configs load, V is a multiple of Q for every batch
+    assert sweep.repeats == 3
+    if name == "model-comparison":
+        assert set(sweep.lengths) == {1, 32}
+        archs = [sweeps.series_config(s).architecture for s in sweep.series]
+        assert archs == ["mamba2", "rwkv7", "xlstm", "transformer", "transformer"]
+        windows = [sweeps.series_config(s).sliding_window for s in sweep.series[3:]]
+        assert windows == [4096, None]  # v0.1: sliding window; v0.3: full attention
+        if platform == "gpu":
+            assert all(sweeps.series_config(s).d_model == 4096 for s in sweep.series)
+            assert max(max(v) for v in sweep.lengths.values()) == 128 * 1024
+
+
+def test_tiny_sweep_end_to_end(tmp_path):
+    spec = write_spec(tmp_path, [
+        {"label": "mamba2 V=32", "config": "mamba2.yaml", "vertical_chunk_size": {1: 32, 2: 64}},
+        {"label": "transformer", "config": "transformer.yaml"},
+    ])
+    out = tmp_path / "out"
+    assert main(["bench", str(spec), "--platform", "cpu", "--output", str(out), "--threads", "1", "--quiet"]) == 0
+    rows = list(csv.DictReader((out / "results.csv").read_text().splitlines()))
+    assert [(r["series"], r["batch"], r["length"]) for r in rows] == [
+        (s, b, n) for b, n in (("1", "48"), ("1", "160"), ("2", "96")) for s in ("mamba2 V=32", "transformer")]
+    for r in rows:
+        assert r["status"] == "ok", r
+        times = [float(t) for t in r["times_s"].split()]
+        assert len(times) == 3
+        assert float(r["min_s"]) == pytest.approx(min(times), abs=1e-5)
+        assert float(r["max_s"]) == pytest.approx(max(times), abs=1e-5)
+        assert float(r["mean_s"]) == pytest.approx(statistics.fmean(times), abs=1e-5)
+        assert float(r["memory_mib"]) == float(r["peak_rss_mib"]) > 100  # a fresh process's own peak
+        assert float(r["run_peak_rss_mib"]) <= float(r["peak_rss_mib"])
+        expected_v = {"1": "32", "2": "64"}[r["batch"]] if r["series"].startswith("mamba2") else ""
+        assert r["vertical_chunk_size"] == expected_v
+    readme = (out / "README.md").read_text()
+    assert "batch 2, runtime" in readme and "Machine:" in readme and "tiny.png" in readme
+    from matplotlib.image import imread
+
+    image = imread(out / "tiny.png")
+    assert image.shape[1] > 1000 and np.std(image) > 0.05  # two batch columns, drawn
+
+
+def test_points_over_the_memory_limit_are_recorded_and_longer_ones_skipped(tmp_path):
+    spec = write_spec(tmp_path, [{"label": "transformer", "config": "transformer.yaml"}], lengths={1: [48, 96, 160]})
+    out = tmp_path / "out"
+    assert main(["bench", str(spec), "--platform", "cpu", "--output", str(out), "--memory-limit-mib", "60",
+                 "--quiet"]) == 0
+    rows = list(csv.DictReader((out / "results.csv").read_text().splitlines()))
+    assert [r["status"] for r in rows] == ["out of memory", "skipped", "skipped"]
+    assert "RSS > 60 MiB" in rows[0]["error"] and rows[1]["error"] == "after out of memory at 48"
+    assert "OOM" in (out / "README.md").read_text()
+
+
+def test_bad_specs_name_the_problem(tmp_path, capsys):
+    def error(*args, platform="cpu"):
+        assert main(["bench", *args, "--platform", platform, "--output", str(tmp_path / "o")]) == 2
+        return capsys.readouterr().err
+
+    msg = error("nope")
+    assert "no sweep named 'nope'" in msg and "model-comparison" in msg
+    msg = error(str(write_spec(tmp_path, [{"label": "m", "config": "mamba2.yaml", "vertical_chunk_size": 40}])))
+    assert "series 'm', batch 1" in msg and "not a multiple of the chunk size Q=16" in msg
+    assert "absent.yaml does not exist" in error(str(write_spec(tmp_path, [{"label": "m", "config": "absent.yaml"}])))
+    spec = str(write_spec(tmp_path, [{"label": "m", "config": "mamba2.yaml", "vertical_chunk_size": {1: 32}}]))
+    assert "no entry for batch 2" in error(spec)
+    assert "no settings for platform 'gpu'" in error(spec, platform="gpu")
+    assert "--series ['x']" in error(spec, "--series", "x")
+    assert not (tmp_path / "o").exists()  # nothing ran
