@@ -11,6 +11,7 @@ import pytest
 
 from jaxembed import models, schedule
 from jaxembed.config import Mamba2Config
+from jaxembed.models.transformer import TransformerConfig
 from jaxembed.train import lora as lora_lib
 from jaxembed.train.loss import info_nce
 from jaxembed.train.quant import nf4_levels, quantize_nf4
@@ -78,11 +79,19 @@ def test_info_nce_matches_the_paper_equation():
     assert abs(float(got) - np.mean(losses)) / np.mean(losses) < 1e-6
 
 
-def _tiny_setup(seed=0, b=8, k=2, lengths=(21, 21, 21)):
-    cfg = Mamba2Config(vocab_size=64, d_model=32, n_layers=2, d_state=8, head_dim=8, n_groups=1, chunk_size=8)
+TINY = {
+    # config, params trained in full beside the adapters (PEFT's modules_to_save)
+    "mamba2": (Mamba2Config(vocab_size=64, d_model=32, n_layers=2, d_state=8, head_dim=8, n_groups=1, chunk_size=8),
+               ("embedding", "dt_bias")),
+    "transformer": (TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
+                                      sliding_window=6), ("embedding", "attn_norm")),
+}
+
+
+def _tiny_setup(seed=0, b=8, k=2, lengths=(21, 21, 21), architecture="mamba2"):
+    cfg, saved = TINY[architecture]
     params = models.family(cfg).init_params(cfg, jax.random.key(seed))
-    # the token embedding and the decay bias trained in full beside the adapters (PEFT's modules_to_save)
-    lora = lora_lib.LoraConfig(rank=4, alpha=8, modules_to_save=("embedding", "dt_bias"))
+    lora = lora_lib.LoraConfig(rank=4, alpha=8, modules_to_save=saved)
     adapters = lora_lib.init_adapters(cfg, params, lora, jax.random.key(seed + 1))
     # B starts at zero; give it values so every adapter gets a gradient that matters
     adapters = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(seed + 2), x.shape), adapters)
@@ -97,9 +106,11 @@ def _tiny_setup(seed=0, b=8, k=2, lengths=(21, 21, 21)):
     return cfg, params, lora, adapters, batch
 
 
-def test_grad_cache_equals_full_batch():
-    """GradCache (sub-batches of 2 queries, remat on) against jax.grad of the one-pass batch loss."""
-    cfg, params, lora, adapters, batch = _tiny_setup()
+@pytest.mark.parametrize("architecture", TINY)
+def test_grad_cache_equals_full_batch(architecture):
+    """GradCache (sub-batches of 2 queries, remat on) against jax.grad of the one-pass batch loss;
+    the transformer baseline trains through the same step (LoRA on its attention and MLP)."""
+    cfg, params, lora, adapters, batch = _tiny_setup(architecture=architecture)
     f = jax.jit(loss_and_grads, static_argnums=3)
     loss_full, g_full = f(adapters, params, batch, StepConfig(cfg, lora, grad_cache_size=None, remat=False))
     loss_gc, g_gc = f(adapters, params, batch, StepConfig(cfg, lora, grad_cache_size=2, remat=True))

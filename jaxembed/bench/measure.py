@@ -63,16 +63,21 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _proc_status_mib(name: str, pid: int | str = "self") -> float:
-    """A memory field of /proc/<pid>/status (VmRSS, VmHWM, ...) in MiB; NaN where unavailable."""
+def _proc_field_mib(path: str, name: str) -> float:
+    """A "Name:  N kB" field of a /proc file (status: VmRSS, VmHWM; meminfo: MemTotal, ...) in
+    MiB; NaN where unavailable."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(name + ":"):
                     return int(line.split()[1]) / 1024.0
     except (OSError, ValueError):
         pass
     return float("nan")
+
+
+def _proc_status_mib(name: str, pid: int | str = "self") -> float:
+    return _proc_field_mib(f"/proc/{pid}/status", name)
 
 
 def current_rss_mib(pid: int | str = "self") -> float:
@@ -95,23 +100,12 @@ def hwm_rss_mib() -> float:
     return _proc_status_mib("VmHWM")
 
 
-def _meminfo_mib(name: str) -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(name + ":"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError):
-        pass
-    return float("nan")
-
-
 def available_memory_mib() -> float:
-    return _meminfo_mib("MemAvailable")
+    return _proc_field_mib("/proc/meminfo", "MemAvailable")
 
 
 def total_memory_gib() -> float:
-    return _meminfo_mib("MemTotal") / 1024.0
+    return _proc_field_mib("/proc/meminfo", "MemTotal") / 1024.0
 
 
 def default_memory_limit_mib() -> float:
