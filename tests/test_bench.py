@@ -106,3 +106,14 @@ def test_bad_specs_name_the_problem(tmp_path, capsys):
     assert "no settings for platform 'gpu'" in error(spec, platform="gpu")
     assert "--series ['x']" in error(spec, "--series", "x")
     assert not (tmp_path / "o").exists()  # nothing ran
+
+
+def test_gpu_rows_report_the_device_allocator_peak():
+    """On a GPU the memory column is the allocator's peak_bytes_in_use, and the machine line names
+    the device (the GPU worker itself needs a GPU; its result is shaped here as the worker reports it)."""
+    result = {"status": "ok", "device": "NVIDIA H100 80GB HBM3", "env": {"threads": None}, "times_s": [1.0, 1.2, 1.1],
+              "mean_s": 1.1, "min_s": 1.0, "max_s": 1.2, "peak_device_mib": 15000.5, "peak_rss_mib": 4000.0}
+    row = sweeps._row_from_result(result, batch=1, length=4096, platform="gpu")
+    assert row["memory_mib"] == 15000.5 and row["memory_kind"] == "device peak_bytes_in_use"
+    assert row["tokens_per_s"] == pytest.approx(4096 / 1.1, rel=1e-4)
+    assert sweeps.machine_line([row], "gpu").startswith("NVIDIA H100 80GB HBM3; jax ")
