@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jaxembed import xla_cpu
+
+xla_cpu.apply()  # before any JAX backend starts: XLA:CPU's YNN fusions off (see xla_cpu.py)
+
 from jaxembed.config import ConfigError, Mamba2Config, load_config
 from jaxembed.embedder import QUERY_TEMPLATE, Embedder, load_tokenizer
 from jaxembed.schedule import embed, forward

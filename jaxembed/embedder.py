@@ -252,11 +252,22 @@ class Embedder:
                 emb = embed_jit(self.params, self.config, batch, batch_lengths, vertical_chunk_size=V,
                                 chunk_size=self.chunk_size, normalize=normalize_embeddings, kernels=self.kernels)
                 out[rows] = np.asarray(emb[: len(rows)], np.float32)
+                _check_finite(out[rows], rows, n_rows, padded_len)
                 bar.update(int(lengths[rows].sum()))
         elapsed = time.perf_counter() - start
         self.last_stats = {"texts": len(seqs), "tokens": total_tokens, "seconds": elapsed,
                            "tokens_per_second": total_tokens / max(elapsed, 1e-9), "batches": len(batches)}
         return out
+
+
+def _check_finite(embeddings, rows, n_rows: int, padded_len: int):
+    """A NaN or inf embedding would poison a whole index silently: stop and name the inputs."""
+    bad = ~np.isfinite(embeddings).all(axis=1)
+    if bad.any():
+        raise FloatingPointError(
+            f"the embeddings of {int(bad.sum())} of {len(rows)} inputs are not finite (input indices "
+            f"{rows[bad][:8].tolist()}, batch of {n_rows} x {padded_len} tokens): check the weights "
+            f"(NaN or inf parameters) and the dtype (bfloat16/float16 overflow); on the CPU see jaxembed/xla_cpu.py")
 
 
 def tokenize_texts(tokenizer, texts, eos: int, max_length: int | None = None) -> tuple[list[list[int]], int]:

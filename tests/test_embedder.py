@@ -1,14 +1,15 @@
 """The encode API against transformers' reference outputs, plus its input checks."""
 
+import os
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TOLERANCE, hf_last_hidden, rel_err
 
 import jaxembed
-from conftest import TOLERANCE, hf_last_hidden, rel_err
 from jaxembed.convert import ConversionError
 
 
@@ -161,3 +162,42 @@ def test_bucket_padding_is_bounded():
             b = bucket_length(n, q)
             assert n <= b and (b % q == 0 or b < q)
             assert b <= max(2 * n, 16) and (n <= 2 * q or b <= 1.5 * n) and (n <= 32 * q or b <= 1.25 * n), (n, q, b)
+
+
+def test_non_finite_embeddings_stop_with_the_inputs_named(embedder):
+    emb, _ = embedder
+    params = dict(emb.params, embedding=emb.params["embedding"].at[5].set(jnp.nan))  # token 5 is poisoned
+    poisoned = jaxembed.Embedder(params, emb.config, tokenizer=emb.tokenizer)
+    with pytest.raises(FloatingPointError, match=r"embeddings of 1 of 3 inputs are not finite \(input indices \[1\]"):
+        poisoned.encode_ids([[1, 2], [7, 5, 3], [4]])
+
+
+def test_xla_cpu_ynn_flag_plan():
+    """jaxembed adds XLA:CPU's 'YNN fusions off' flag only where it cannot abort the process or
+    override the user (jaxembed/xla_cpu.py)."""
+    from jaxembed.xla_cpu import DISABLE_YNN, plan
+
+    assert plan("", False, (0, 10, 2), False) == ("set", DISABLE_YNN)
+    assert plan("--xla_dump_to=/d", False, (0, 11, 2), False) == ("set", f"--xla_dump_to=/d {DISABLE_YNN}")
+    assert plan("--xla_cpu_experimental_ynn_fusion_type=+reduce", False, (0, 10, 2), False)[1] is None
+    assert plan("", True, (0, 10, 2), False) == ("kept: opt-out", None)
+    assert plan("", False, (0, 12, 0), False) == ("kept: jaxlib without the flag", None)  # unknown flags abort
+    assert plan("", False, (0, 10, 2), True) == ("too late", None)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA:CPU setting")
+def test_single_chunk_batches_compile_without_ynn_fusions(embedder):
+    """The setting reaches the compiler: a batch of 16 single-chunk inputs (the case that gave NaN
+    in about 1 process in 3 with jaxlib 0.10.2's YNN fusions) compiles to a program without them."""
+    import jaxlib
+
+    from jaxembed.embedder import embed_jit
+    from jaxembed.xla_cpu import DISABLE_YNN, JAXLIB_WITH_FLAG
+
+    if tuple(int(v) for v in jaxlib.__version__.split(".")[:2]) not in JAXLIB_WITH_FLAG:
+        pytest.skip(f"jaxlib {jaxlib.__version__} is not known to have the flag")
+    emb, _ = embedder
+    assert DISABLE_YNN in os.environ["XLA_FLAGS"].split()
+    ids, lengths = np.ones((16, emb.chunk_size), np.int32), np.full(16, emb.chunk_size, np.int32)
+    compiled = embed_jit.lower(emb.params, emb.config, ids, lengths, chunk_size=emb.chunk_size).compile()
+    assert "__ynn_fusion" not in compiled.as_text()
