@@ -24,10 +24,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = """
-import dataclasses, json, sys, time
+import dataclasses, json, sys
 import jax, jaxlib, numpy as np
 import jaxembed
 from jaxembed import models
+from jaxembed.bench import measure
 from jaxembed.config import load_config
 cfg = load_config(sys.argv[1])
 cfg = dataclasses.replace(cfg, n_layers=1) if sys.argv[4] == "one-layer" else cfg
@@ -37,10 +38,8 @@ ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, t), dtype=np.int3
 f = jax.jit(lambda p, i, n: jaxembed.embed(p, cfg, i, n, normalize=False))
 call = lambda: np.asarray(f(params, ids, np.full(b, t, np.int32)))
 out = call()
-times = []
-for _ in range(3 if sys.argv[4] == "timed" else 0):
-    t0 = time.perf_counter(); call(); times.append(time.perf_counter() - t0)
-print(json.dumps({"bad_rows": int((~np.isfinite(out).all(-1)).sum()), "min_s": min(times, default=None),
+min_s = measure.time_run(call, repeats=3).min_s if sys.argv[4] == "timed" else None
+print(json.dumps({"bad_rows": int((~np.isfinite(out).all(-1)).sum()), "min_s": min_s,
                   "jaxlib": jaxlib.__version__}))
 """
 

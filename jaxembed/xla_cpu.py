@@ -26,6 +26,12 @@ OPT_OUT = "JAXEMBED_KEEP_XLA_CPU_YNN"
 JAXLIB_WITH_FLAG = {(0, 10), (0, 11)}
 
 
+def jaxlib_version() -> tuple[int, int]:
+    import jaxlib
+
+    return tuple(int(part) for part in jaxlib.__version__.split(".")[:2])
+
+
 def plan(xla_flags: str, opt_out: bool, jaxlib_version: tuple[int, ...], backends_started: bool) -> tuple[str, str | None]:
     """(what to do, the new XLA_FLAGS or None). What to do is one of "set", "kept: user flag",
     "kept: opt-out", "kept: jaxlib without the flag", "too late"."""
@@ -47,9 +53,8 @@ def apply() -> str:
     import jaxlib
     from jax._src import xla_bridge  # no public API says whether a backend has started
 
-    version = tuple(int(part) for part in jaxlib.__version__.split(".")[:2])
     action, flags = plan(os.environ.get("XLA_FLAGS", ""), os.environ.get(OPT_OUT, "") not in ("", "0"),
-                         version, xla_bridge.backends_are_initialized())
+                         jaxlib_version(), xla_bridge.backends_are_initialized())
     if flags is not None:
         os.environ["XLA_FLAGS"] = flags
     elif action == "too late" and jax.default_backend() == "cpu":

@@ -29,8 +29,8 @@ def reference(model, tokenizer, texts):
 TEXTS = [
     "Return the sum of a list.",
     "",
-    "A much longer document about JSON decoding, which keeps going for a while so that it spans several chunks "
-    "of the intra-layer chunk size and more than one vertical chunk as well.",
+    ("A much longer document about JSON decoding, which keeps going for a while so that it spans several chunks "
+     "of the intra-layer chunk size and more than one vertical chunk as well."),
     "x",
     "Serialize obj to a JSON formatted str.",
 ]
@@ -192,9 +192,9 @@ def test_single_chunk_batches_compile_without_ynn_fusions(embedder):
     import jaxlib
 
     from jaxembed.embedder import embed_jit
-    from jaxembed.xla_cpu import DISABLE_YNN, JAXLIB_WITH_FLAG
+    from jaxembed.xla_cpu import DISABLE_YNN, JAXLIB_WITH_FLAG, jaxlib_version
 
-    if tuple(int(v) for v in jaxlib.__version__.split(".")[:2]) not in JAXLIB_WITH_FLAG:
+    if jaxlib_version() not in JAXLIB_WITH_FLAG:
         pytest.skip(f"jaxlib {jaxlib.__version__} is not known to have the flag")
     emb, _ = embedder
     assert DISABLE_YNN in os.environ["XLA_FLAGS"].split()
