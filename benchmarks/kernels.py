@@ -248,6 +248,40 @@ def check(rows):
                                  state_rel_err=s_err, grad_finite=finite))
                 print(f"check {family:5s} {jnp.dtype(dtype).name:8s} b={b} t={t}: y {y_err:.2e} state {s_err:.2e} "
                       f"grad finite {finite}", flush=True)
+    check_packed_ssd(rows)
+
+
+def check_packed_ssd(rows):
+    """The SSD kernel reading x, B and C as column blocks of Mamba2's packed xbc (the layer's path)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxembed import kernels
+
+    dims = dict(heads=4, head_dim=32, groups=2, state_size=32)  # packable: blocks start on boundaries
+    width = dims["heads"] * dims["head_dim"] + 2 * dims["groups"] * dims["state_size"]
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for b, t in ((2, 37), (1, 300)):
+            ks = jax.random.split(jax.random.PRNGKey(7 * t + b), 6)
+            h = dims["heads"]
+            args = dict(xbc=jax.random.normal(ks[0], (b, t, width)).astype(dtype),
+                        dt=jax.random.normal(ks[1], (b, t, h)) - 1.0, A=-jnp.exp(jax.random.normal(ks[2], (h,))),
+                        D=jax.random.normal(ks[3], (h,)), dt_bias=0.5 * jax.random.normal(ks[4], (h,)),
+                        initial_state=jax.random.normal(ks[5], (b, h, dims["head_dim"], dims["state_size"])))
+
+            def op(a, backend):
+                a = dict(a)
+                return kernels.ssd_chunked_xbc(a.pop("xbc"), a.pop("dt"), a.pop("A"), chunk_size=16, backend=backend,
+                                               **dims, **a)
+
+            upcast = {k: v.astype(jnp.float32) for k, v in args.items()}
+            with jax.default_matmul_precision("highest"):
+                ref = jax.jit(lambda a: op(a, "xla"))(upcast)
+                out = jax.jit(lambda a: op(a, "pallas"))(args)
+            y_err, s_err = rel_err(out[0].astype(jnp.float32), ref[0]), rel_err(out[1], ref[1])
+            rows.append(dict(family="ssd_xbc", dtype=jnp.dtype(dtype).name, b=b, t=t, y_rel_err=y_err,
+                             state_rel_err=s_err, grad_finite=None))
+            print(f"check ssd_xbc {jnp.dtype(dtype).name:8s} b={b} t={t}: y {y_err:.2e} state {s_err:.2e}", flush=True)
 
 
 def ops_table(rows, families, lengths, batches, peers, rate, bw, mem_bytes):

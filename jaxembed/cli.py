@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--series", default=None, help="only these series (labels, comma-separated)")
     p.add_argument("--timeout", type=float, default=900.0, help="per-point wall-clock limit, s (default 900)")
     p.add_argument("--memory-limit-mib", type=float, default=None,
-                   help="kill a point whose RSS exceeds this (default: 60%% of available memory, at most 16 GiB)")
+                   help="kill a point whose host RSS exceeds this (default: CPU 60%% of available memory, at most "
+                        "16 GiB; GPU 90%% of available memory, the device's own memory deciding)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per point (default: all available)")
     p.add_argument("--quiet", action="store_true", help="no per-point lines")
     p.set_defaults(func=_cmd_bench)

@@ -43,18 +43,22 @@ def is_derived(leaf) -> bool:
     return isinstance(leaf, DerivedWeight)
 
 
-def dot(x, w, compute_dtype):
-    return jnp.einsum("btd,de->bte", x.astype(compute_dtype), w.astype(compute_dtype), preferred_element_type=F32)
+def dot(x, w, compute_dtype, out_dtype=F32):
+    return jnp.einsum("btd,de->bte", x.astype(compute_dtype), w.astype(compute_dtype), preferred_element_type=out_dtype)
 
 
-def linear(x, w, compute_dtype=None, bias=None):
-    """x [b, t, d_in] @ w [d_in, d_out] (+ bias) -> [b, t, d_out] float32.
+def linear(x, w, compute_dtype=None, bias=None, out_dtype=F32):
+    """x [b, t, d_in] @ w [d_in, d_out] (+ bias) -> [b, t, d_out] in out_dtype (float32 by default).
 
     compute_dtype: the matmul operands' dtype (default: x's). w may be an array or a DerivedWeight.
+    out_dtype: the product is accumulated in float32 either way; a bfloat16 out_dtype makes the GEMM
+    write bfloat16 (half the bytes), as a PyTorch bfloat16 Linear does.
     """
     compute_dtype = x.dtype if compute_dtype is None else compute_dtype
+    if bias is None and not is_derived(w):
+        return dot(x, w, compute_dtype, out_dtype)
     y = w.matmul(x, compute_dtype) if is_derived(w) else dot(x, w, compute_dtype)
-    return y if bias is None else y + bias.astype(F32)
+    return (y if bias is None else y + bias.astype(F32)).astype(out_dtype)
 
 
 def densify(tree):

@@ -117,3 +117,39 @@ def test_gpu_rows_report_the_device_allocator_peak():
     assert row["memory_mib"] == 15000.5 and row["memory_kind"] == "device peak_bytes_in_use"
     assert row["tokens_per_s"] == pytest.approx(4096 / 1.1, rel=1e-4)
     assert sweeps.machine_line([row], "gpu").startswith("NVIDIA H100 80GB HBM3; jax ")
+
+
+def test_gpu_points_are_limited_by_the_device_not_a_fixed_host_cap(monkeypatch):
+    """A CPU point's RSS is its measure (capped at 16 GiB); a GPU point's host RSS only guards the
+    machine (90% of what is available, no fixed cap): the device allocator decides out of memory."""
+    from jaxembed.bench import measure
+
+    monkeypatch.setattr(measure, "available_memory_mib", lambda: 120_000.0)
+    assert measure.default_memory_limit_mib("cpu") == 16384.0
+    assert measure.default_memory_limit_mib("gpu") == pytest.approx(108_000.0)
+
+
+def test_device_params_have_the_family_shapes_and_keep_decays_float32():
+    """The benchmark weights are drawn on the device: the family's shapes, the asked dtype, decay
+    parameters float32, one drawn layer repeated over the stack."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxembed import models
+    from jaxembed.bench.worker import device_params
+    from jaxembed.config import config_from_dict
+
+    cfg = dataclasses.replace(config_from_dict(TINY_MODELS["mamba2"]), n_layers=3)
+    params = device_params(cfg, "bfloat16", seed=0, device=jax.devices()[0])
+    shapes = models.family(cfg).param_shapes(cfg)
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    assert {jax.tree_util.keystr(k): v.shape for k, v in flat} == {
+        jax.tree_util.keystr(k): tuple(v) for k, v in jax.tree_util.tree_flatten_with_path(
+            shapes, is_leaf=lambda x: isinstance(x, tuple))[0]}
+    layers = params["layers"]
+    assert layers["in_proj"].dtype == jnp.bfloat16 and params["embedding"].dtype == jnp.bfloat16
+    assert all(layers[k].dtype == jnp.float32 for k in ("A_log", "dt_bias", "D"))
+    assert float(jnp.std(layers["in_proj"][0].astype(jnp.float32))) > 0
+    assert bool(jnp.all(layers["in_proj"][0] == layers["in_proj"][2]))

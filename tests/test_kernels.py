@@ -9,6 +9,7 @@ One jit per (kernel, dtype) computes outputs and gradients together: interpret m
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -73,12 +74,27 @@ def _mlstm_case(rng, dtype):
     return args, call, mlstm.chunked, kernels.mlstm_chunked
 
 
-CASES = {"ssd": _ssd_case, "wkv7": _wkv7_case, "mlstm": _mlstm_case}
+def _ssd_xbc_case(rng, dtype):
+    """SSD reading x, B and C as column blocks of Mamba2's packed xbc (the layer's path)."""
+    b, t, h, p, g, n = 2, 37, 4, 16, 2, 16  # packable: every head's and group's columns start on a block
+    args = (_normal(rng, (b, t, h * p + 2 * g * n)).astype(dtype), _normal(rng, (b, t, h)) - 1.0,
+            -jnp.exp(_normal(rng, (h,))), _normal(rng, (h,)), _normal(rng, (h,), 0.5), _normal(rng, (b, h, p, n)))
+
+    def call(op, xbc, dt, A, D, dt_bias, s0, **kw):
+        return op(xbc, dt, A, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8, D=D, dt_bias=dt_bias,
+                  initial_state=s0, **kw)
+
+    return args, call, ssd.chunked_xbc, kernels.ssd_chunked_xbc
+
+
+CASES = {"ssd": _ssd_case, "ssd_xbc": _ssd_xbc_case, "wkv7": _wkv7_case, "mlstm": _mlstm_case}
 SMALL_BLOCKS = BlockSizes(chunk=16, value_block=16)  # several chunks and value blocks per program grid
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", list(CASES))
+# ssd_xbc's backward is `split_xbc` + the SSD reference's, checked in bfloat16 by "ssd"; its bfloat16
+# forward is checked in test_packed_xbc_reads_the_same_columns_as_split_inputs
+@pytest.mark.parametrize("family, dtype", [(f, d) for f in CASES for d in ("float32", "bfloat16")
+                                           if (f, d) != ("ssd_xbc", "bfloat16")])
 def test_kernel_matches_reference_forward_and_gradients(family, dtype):
     rng = np.random.default_rng(next(_draws))
     args, call, reference, dispatch = CASES[family](rng, jnp.dtype(dtype))
@@ -101,6 +117,59 @@ def test_kernel_matches_reference_forward_and_gradients(family, dtype):
         assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32))))
         # the backward is the reference's; the cotangents differ only by the forward's rounding
         assert rel_err(g.astype(jnp.float32), r.astype(jnp.float32)) < tol
+
+
+def test_packed_xbc_reads_the_same_columns_as_split_inputs():
+    """The packed path is `packable` for the small case, and the kernel's column blocks of xbc give
+    what the split arrays give (so a wrong block offset cannot hide behind the reference VJP)."""
+    from jaxembed.kernels import ssd as kernel_ssd
+
+    assert kernel_ssd.packable(heads=4, head_dim=16, groups=2, state_size=16, value_block=16)
+    assert not kernel_ssd.packable(heads=4, head_dim=24, groups=2, state_size=16, value_block=16)  # p padded
+    for dtype in ("float32", "bfloat16"):
+        rng = np.random.default_rng(next(_draws))
+        args, call, _, dispatch = _ssd_xbc_case(rng, jnp.dtype(dtype))
+        packed = call(dispatch, *args, backend="interpret", blocks=SMALL_BLOCKS)
+        xbc, dt, A, D, dt_bias, s0 = args
+        x, B, C = ssd.split_xbc(xbc.astype(jnp.float32), heads=4, head_dim=16, groups=2, state_size=16)
+        split = ssd.recurrent(x, dt, A, B, C, D=D, dt_bias=dt_bias, initial_state=s0)  # sequential, float32
+        for o, r in zip(packed, split, strict=True):
+            assert rel_err(o.astype(jnp.float32), r) < KERNEL_TOLERANCE[dtype], (dtype, rel_err(o, r))
+
+
+def _kernel_entry(family):
+    from jaxembed.kernels import mlstm as k_mlstm
+    from jaxembed.kernels import ssd as k_ssd
+    from jaxembed.kernels import wkv7 as k_wkv7
+
+    return {"ssd": k_ssd.chunked, "ssd_xbc": k_ssd.chunked_xbc, "wkv7": k_wkv7.chunked, "mlstm": k_mlstm.chunked}[family]
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_kernels_lower_to_triton_for_the_gpu(family):
+    """Each kernel at its default tiles goes through Pallas' Triton lowering for CUDA (cross-platform
+    lowering, no GPU needed), so a BlockSpec or op that the GPU path rejects fails here, not on a
+    user's GPU. (Triton's own compile to PTX happens on the GPU: benchmarks/kernels.py --only check.)"""
+    rng = np.random.default_rng(next(_draws))
+    args, call, _, _ = CASES[family](rng, jnp.bfloat16)
+    entry = functools.partial(_kernel_entry(family), interpret=False)
+    lowered = jax.jit(lambda *a: call(entry, *a)).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "xla.gpu.triton" in lowered.as_text()
+
+
+def test_packed_ssd_lowers_at_codestral_shapes():
+    """The layer's packed SSD call at Codestral Mamba 7B's dims (128 heads x 64, 8 groups, n 128) and
+    an odd length, lowered for CUDA from shapes alone."""
+    from jaxembed.kernels import ssd as k_ssd
+
+    b, t, h, p, g, n = 2, 4099, 128, 64, 8, 128
+    S = jax.ShapeDtypeStruct
+    fn = functools.partial(k_ssd.chunked_xbc, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=256)
+    lowered = jax.jit(lambda xbc, dt, A, D: fn(xbc, dt, A, D=D, dt_bias=D)).trace(
+        S((b, t, h * p + 2 * g * n), jnp.bfloat16), S((b, t, h), jnp.bfloat16), S((h,), jnp.float32),
+        S((h,), jnp.float32)).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("xla.gpu.triton") == 1 and "tensor<2x4160x10240xbf16>" in text  # xbc read in place
 
 
 def _vjp(fn, args, seed):

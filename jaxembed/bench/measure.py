@@ -108,10 +108,17 @@ def total_memory_gib() -> float:
     return _proc_field_mib("/proc/meminfo", "MemTotal") / 1024.0
 
 
-def default_memory_limit_mib() -> float:
-    """60% of the memory available now, at most 16 GiB: a point that needs more is out of memory."""
+def default_memory_limit_mib(platform: str = "cpu") -> float:
+    """The host RSS a worker may reach before it is stopped as out of memory.
+
+    CPU: 60% of the memory available now, at most 16 GiB (the RSS is what a CPU point measures).
+    GPU: 90% of the memory available now, no fixed cap: a GPU point is limited by the device's
+    memory (XLA's RESOURCE_EXHAUSTED), and the host limit only keeps the machine from swapping.
+    """
     avail = available_memory_mib()
-    return min(16384.0, 0.6 * avail) if avail == avail else 16384.0
+    if avail != avail:  # no /proc/meminfo
+        return 16384.0
+    return 0.9 * avail if platform == "gpu" else min(16384.0, 0.6 * avail)
 
 
 # ---- timing --------------------------------------------------------------------------------

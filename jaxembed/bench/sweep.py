@@ -160,7 +160,7 @@ def run_sweep(sweep: Sweep, out_dir: Path, *, repeats: int | None = None, timeou
     check_points(sweep)
     repeats = repeats or sweep.repeats
     if memory_limit_mib is None:
-        memory_limit_mib = measure.default_memory_limit_mib()
+        memory_limit_mib = measure.default_memory_limit_mib(sweep.platform)
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / "results.csv"
     rows: list[dict] = []

@@ -6,8 +6,9 @@ random weights, compiles `jaxembed.embed` under `jax.jit` with one call, times `
 calls, and prints one result line (`measure.report`). Memory:
 
 * GPU: the device allocator's `peak_bytes_in_use` (`jax.Device.memory_stats()`). The weights
-  are built on the host and copied over leaf by leaf, so the device never holds more than the
-  weights before the first call, and the peak is the run's: weights plus activations.
+  are drawn on the device (`device_params`), so the device never holds more than the weights
+  and one float32 layer before the first call, the host holds nothing of the model's size,
+  and the peak is the run's: weights plus activations.
 * CPU: the process's peak RSS (`ru_maxrss`), which includes the Python/JAX runtime (~0.5 GiB)
   and the weights; `run_peak_rss_mib` is the peak while compiling and running only (VmHWM reset
   after the build).
@@ -24,34 +25,50 @@ import time
 from jaxembed.bench import measure
 
 
-def bench_params(cfg, dtype: str, seed: int, device):
-    """Random weights of cfg's shapes in `dtype` on `device`, without an init transient there.
+def device_params(cfg, dtype: str, seed: int, device):
+    """Random weights of cfg's shapes in `dtype`, drawn and stacked on `device`.
 
-    One layer is drawn by the family's own `init_params` on the host and repeated over the
-    layers (speed and memory do not depend on the values; a 7B model's full random draw would
-    take minutes per point). Decay parameters stay float32, as `Embedder` keeps them.
+    One layer is drawn by the family's own `init_params` and repeated over the layers (speed and
+    memory do not depend on the values; a 7B model's full random draw would take minutes per
+    point). Nothing of the model's size passes through host memory, so on a GPU the host decides
+    nothing: the device holds at most the weights while they are built. Decay
+    parameters stay float32, as `Embedder` keeps them.
     """
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from jaxembed import models
 
     family = models.family(cfg)
     keep_float32 = getattr(family, "FLOAT32_PARAMS", ())
-    with jax.default_device(jax.devices("cpu")[0]):
-        one = family.init_params(dataclasses.replace(cfg, n_layers=1), jax.random.key(seed))
     target = jnp.dtype(dtype)
+    one_layer = dataclasses.replace(cfg, n_layers=1)
 
-    def place(path, leaf):
-        arr = np.asarray(leaf)
-        if np.issubdtype(arr.dtype, np.floating):
-            arr = arr.astype(np.float32 if str(getattr(path[-1], "key", "")) in keep_float32 else target)
-        if str(getattr(path[0], "key", "")) == "layers":
-            arr = np.broadcast_to(arr, (cfg.n_layers, *arr.shape[1:]))
-        return jax.device_put(np.ascontiguousarray(arr), device)
+    def build(key):
+        def place(path, leaf):
+            if jnp.issubdtype(leaf.dtype, jnp.floating):
+                leaf = leaf.astype(jnp.float32 if str(getattr(path[-1], "key", "")) in keep_float32 else target)
+            if str(getattr(path[0], "key", "")) == "layers":
+                leaf = jnp.broadcast_to(leaf, (cfg.n_layers, *leaf.shape[1:]))
+            return leaf
 
-    return jax.tree_util.tree_map_with_path(place, one)
+        return jax.tree_util.tree_map_with_path(place, family.init_params(one_layer, key))
+
+    key = jax.device_put(jax.random.key(seed), device)
+    treedef = jax.tree.structure(jax.eval_shape(build, key))
+    shapes = jax.tree.leaves(jax.eval_shape(build, key))
+    nbytes = [a.size * a.dtype.itemsize for a in shapes]
+    # one jit per large leaf (XLA drops the other leaves' draws), largest first, and one for all
+    # small leaves: a leaf's float32 draw is never more than what is still to be built, so the
+    # build's peak stays at the weights
+    groups = [[i] for i in sorted(range(len(shapes)), key=lambda i: -nbytes[i]) if nbytes[i] >= 2**26]
+    groups.append([i for i in range(len(shapes)) if nbytes[i] < 2**26])
+    leaves = [None] * len(shapes)
+    for group in groups:
+        built = jax.jit(lambda k, group=tuple(group): [jax.tree.leaves(build(k))[i] for i in group])(key)
+        for i, leaf in zip(group, built):
+            leaves[i] = leaf
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def load_point_config(point: dict):
@@ -84,7 +101,7 @@ def run(point: dict) -> dict:
         result["device"] = device.device_kind
         cfg = load_point_config(point)
         t0 = time.perf_counter()
-        params = bench_params(cfg, point["dtype"], point.get("seed", 0), device)
+        params = device_params(cfg, point["dtype"], point.get("seed", 0), device)
         rng = np.random.default_rng(point.get("seed", 0))
         ids = jax.device_put(rng.integers(0, cfg.vocab_size, (point["batch"], point["length"]), dtype=np.int32),
                              device)

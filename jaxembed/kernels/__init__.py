@@ -54,23 +54,24 @@ def use(backend: str):
         _stack.pop()
 
 
-def _dispatch(name: str):
+def _dispatch(name: str, form: str = "chunked"):
     import importlib
 
     def op(*args, backend: str | None = None, blocks: BlockSizes | None = None, **kwargs):
         chosen = resolve(backend)
         if chosen == "xla":
-            return getattr(importlib.import_module(f"jaxembed.ops.{name}"), "chunked")(*args, **kwargs)
+            return getattr(importlib.import_module(f"jaxembed.ops.{name}"), form)(*args, **kwargs)
         kernel = importlib.import_module(f"jaxembed.kernels.{name}")
-        return kernel.chunked(*args, blocks=blocks, interpret=chosen == "interpret", **kwargs)
+        return getattr(kernel, form)(*args, blocks=blocks, interpret=chosen == "interpret", **kwargs)
 
-    op.__name__ = f"{name}_chunked"
-    op.__doc__ = f"`ops.{name}.chunked` or its Pallas kernel, as `resolve(backend)` decides."
+    op.__name__ = f"{name}_{form}"
+    op.__doc__ = f"`ops.{name}.{form}` or its Pallas kernel, as `resolve(backend)` decides."
     return op
 
 
 ssd_chunked = _dispatch("ssd")
+ssd_chunked_xbc = _dispatch("ssd", "chunked_xbc")
 wkv7_chunked = _dispatch("wkv7")
 mlstm_chunked = _dispatch("mlstm")
 
-__all__ = ["BACKENDS", "BlockSizes", "heuristic", "resolve", "use", "ssd_chunked", "wkv7_chunked", "mlstm_chunked"]
+__all__ = ["BACKENDS", "BlockSizes", "heuristic", "resolve", "use", "ssd_chunked", "ssd_chunked_xbc", "wkv7_chunked", "mlstm_chunked"]

@@ -12,6 +12,10 @@ of one iteration; the loop is the inter-chunk recurrence. Matmul operands are in
 dtype (the state is cast like `ops.ssd.chunk_output` does), accumulation and every decay,
 exponential and the state are float32. Shapes as in `ops.ssd`: x [b, t, h, p], dt [b, t, h],
 A [h], B and C [b, t, g, n], D [h] or [h, p], state [b, h, p, n].
+
+`chunked_xbc` (reference `ops.ssd.chunked_xbc`) is the Mamba2 layer's entry: the kernel reads x,
+B and C as column blocks of the packed conv output xbc [b, t, h*p + 2*g*n], and every operand is
+time-major, so XLA keeps the layer's activations row-major with no transposes around the call.
 """
 
 from __future__ import annotations
@@ -50,40 +54,79 @@ def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref,
     s_ref[...] = lax.fori_loop(0, n_chunks, chunk, s0_ref[...])
 
 
-def _forward(x, dt, A, B, C, D, dt_bias, state, *, dt_limit, blocks, interpret):
-    b, t, h, p = x.shape
-    g, n = B.shape[2], B.shape[3]
-    r = h // g
-    L = blocks.chunk
-    P, N = common.padded(p), common.padded(n)
-    pb = blocks.value_block
-    T = t + (-t % L)
-    dt = ref.discretize_dt(dt, dt_bias, dt_limit)  # [b, t, h] float32
+def _per_head_decays(dt, A, dt_bias, *, dt_limit, L: int, T: int):
+    """dt [b, t, h] -> (dt, a_cum, a_to_end), each [b, T, h] float32, kept time-major like the
+    in_proj output they come from: a [b, h, T] layout here would make XLA lay the whole in_proj
+    output out feature-major and transpose every activation around the kernel."""
+    b, _, h = dt.shape
     # padding tokens have dt = 0: no decay, no input; the final state is that of the last real token
-    dt = common.pad_axis(jnp.moveaxis(dt, 1, 2), 2, T)  # [b, h, T]
-    a = (dt * A.astype(F32)[:, None]).reshape(b, h, T // L, L)
-    a_cum = jnp.cumsum(a, axis=-1)
-    a_to_end = lax.cumsum(a, axis=a.ndim - 1, reverse=True) - a  # Σ over the rest of the chunk, no cancellation
-    a_cum, a_to_end = a_cum.reshape(b, h, T), a_to_end.reshape(b, h, T)
-    xp = common.pad_axis(common.pad_axis(x, 1, T), 3, P)
-    Bp, Cp = (common.pad_axis(common.pad_axis(v, 1, T), 3, N) for v in (B, C))
+    dt = common.pad_axis(ref.discretize_dt(dt, dt_bias, dt_limit), 1, T)
+    a = (dt * A.astype(F32)).reshape(b, T // L, L, h)
+    a_cum = jnp.cumsum(a, axis=2)
+    a_to_end = lax.cumsum(a, axis=2, reverse=True) - a  # Σ over the rest of the chunk, no cancellation
+    return dt, a_cum.reshape(b, T, h), a_to_end.reshape(b, T, h)
+
+
+def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_limit, blocks, interpret):
+    """The kernel over column blocks of time-major arrays: x3 holds head j's values in columns
+    [j*P, (j+1)*P) after `offsets[0]` blocks of value_block columns; B3 and C3 hold group gg's
+    in columns [gg*N, (gg+1)*N) after offsets[1] / offsets[2] blocks of N columns. They may be
+    one array (the packed xbc). Returns (y [b, t, h, p], final state [b, h, p, n])."""
+    b = x3.shape[0]
+    r = h // g
+    L, pb = blocks.chunk, blocks.value_block
+    P, N = common.padded(p), common.padded(n)
+    T = t + (-t % L)
+    dt, a_cum, a_to_end = _per_head_decays(dt, A, dt_bias, dt_limit=dt_limit, L=L, T=T)
+    x3, B3, C3 = (common.pad_axis(v, 1, T) for v in (x3, B3, C3))
     Dp = common.pad_axis(jnp.broadcast_to((D[:, None] if D.ndim == 1 else D).astype(F32), (h, p)), 1, P)
     s0 = common.pad_axis(common.pad_axis(state, 2, P), 3, N)
+    x_off, B_off, C_off = offsets
+    vb = P // pb  # value blocks per head
 
-    seq = pl.BlockSpec((None, T, None, pb), lambda i, j, k: (i, 0, j, k))
-    per_head = pl.BlockSpec((None, None, T), lambda i, j, k: (i, j, 0))
-    group = pl.BlockSpec((None, T, None, N), lambda i, j, k: (i, 0, j // r, 0))
+    per_head = pl.BlockSpec((None, T, None), lambda i, j, k: (i, 0, j))
     st = pl.BlockSpec((None, None, pb, N), lambda i, j, k: (i, j, k, 0))
     y, final = common.call(
         lambda *refs: _kernel(*refs, L=L, n_chunks=T // L),
-        grid=(b, h, P // pb),
-        in_specs=[seq, per_head, per_head, per_head, group, group,
+        grid=(b, h, vb),
+        in_specs=[pl.BlockSpec((None, T, pb), lambda i, j, k: (i, 0, x_off + j * vb + k)),
+                  per_head, per_head, per_head,
+                  pl.BlockSpec((None, T, N), lambda i, j, k: (i, 0, B_off + j // r)),
+                  pl.BlockSpec((None, T, N), lambda i, j, k: (i, 0, C_off + j // r)),
                   pl.BlockSpec((None, pb), lambda i, j, k: (j, k)), st],
-        out_specs=[seq, st],
-        out_shape=[jax.ShapeDtypeStruct((b, T, h, P), x.dtype), jax.ShapeDtypeStruct((b, h, P, N), F32)],
+        out_specs=[pl.BlockSpec((None, T, None, pb), lambda i, j, k: (i, 0, j, k)), st],
+        out_shape=[jax.ShapeDtypeStruct((b, T, h, P), x3.dtype), jax.ShapeDtypeStruct((b, h, P, N), F32)],
         blocks=blocks, interpret=interpret, name="ssd_chunked",
-    )(xp, dt, a_cum, a_to_end, Bp, Cp, Dp, s0)
+    )(x3, dt, a_cum, a_to_end, B3, C3, Dp, s0)
     return y[:, :t, :, :p], final[:, :, :p, :n]
+
+
+def _forward(x, dt, A, B, C, D, dt_bias, state, *, dt_limit, blocks, interpret):
+    b, t, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    P, N = common.padded(p), common.padded(n)
+    x3 = common.pad_axis(x, 3, P).reshape(b, t, h * P)
+    B3, C3 = (common.pad_axis(v, 3, N).reshape(b, t, g * N) for v in (B, C))
+    return _launch(x3, B3, C3, (0, 0, 0), dt, A, D, dt_bias, state, t=t, h=h, p=p, g=g, n=n, dt_limit=dt_limit,
+                   blocks=blocks, interpret=interpret)
+
+
+def packable(*, heads: int, head_dim: int, groups: int, state_size: int, value_block: int) -> bool:
+    """Whether the kernel can read x, B and C straight out of the packed xbc: every head's and
+    group's columns must start on a block boundary and need no padding."""
+    p, n = head_dim, state_size
+    return (p == common.padded(p) and n == common.padded(n) and (heads * p) % n == 0
+            and p % min(value_block, p) == 0)
+
+
+def _forward_xbc(xbc, dt, A, D, dt_bias, state, *, heads, head_dim, groups, state_size, dt_limit, blocks, interpret):
+    h, p, g, n = heads, head_dim, groups, state_size
+    if not packable(heads=h, head_dim=p, groups=g, state_size=n, value_block=blocks.value_block):
+        x, B, C = ref.split_xbc(xbc, heads=h, head_dim=p, groups=g, state_size=n)
+        return _forward(x, dt, A, B, C, D, dt_bias, state, dt_limit=dt_limit, blocks=blocks, interpret=interpret)
+    e = h * p
+    return _launch(xbc, xbc, xbc, (0, e // n, e // n + g), dt, A, D, dt_bias, state, t=xbc.shape[1], h=h, p=p, g=g,
+                   n=n, dt_limit=dt_limit, blocks=blocks, interpret=interpret)
 
 
 @common.cached
@@ -94,6 +137,21 @@ def _differentiable(chunk_size, dt_limit, blocks, interpret):
     def reference(x, dt, A, B, C, D, dt_bias, state):
         return ref.chunked(x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_limit=dt_limit,
                            initial_state=state)
+
+    return common.with_reference_vjp(forward, reference)
+
+
+@common.cached
+def _differentiable_xbc(chunk_size, dims, dt_limit, blocks, interpret):
+    h, p, g, n = dims
+
+    def forward(xbc, dt, A, D, dt_bias, state):
+        return _forward_xbc(xbc, dt, A, D, dt_bias, state, heads=h, head_dim=p, groups=g, state_size=n,
+                            dt_limit=dt_limit, blocks=blocks, interpret=interpret)
+
+    def reference(xbc, dt, A, D, dt_bias, state):
+        return ref.chunked_xbc(xbc, dt, A, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=chunk_size, D=D,
+                               dt_bias=dt_bias, dt_limit=dt_limit, initial_state=state)
 
     return common.with_reference_vjp(forward, reference)
 
@@ -115,3 +173,29 @@ def chunked(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_limit=(0.0, 
     blocks = common.check_blocks(blocks, p)
     f = _differentiable(chunk_size, tuple(float(v) for v in dt_limit), blocks, bool(interpret))
     return f(x, dt, A, B, C, D, dt_bias, state)
+
+
+def chunked_xbc(xbc, dt, A, *, heads: int, head_dim: int, groups: int, state_size: int, chunk_size, D=None,
+                dt_bias=None, dt_limit=(0.0, math.inf), initial_state=None, blocks: common.BlockSizes | None = None,
+                interpret: bool = False):
+    """`ops.ssd.chunked_xbc` computed by the Pallas kernel, which reads x, B and C as column blocks
+    of xbc [b, t, h*p + 2*g*n] (no split copies) when `packable`, else from split copies."""
+    b, t, width = xbc.shape
+    if width != heads * head_dim + 2 * groups * state_size or dt.shape != (b, t, heads):
+        raise ValueError(f"expected xbc [b, t, h*p + 2*g*n] = [{b}, {t}, {heads * head_dim + 2 * groups * state_size}] "
+                         f"and dt [b, t, h] = [{b}, {t}, {heads}]; got xbc {xbc.shape}, dt {dt.shape}")
+    if heads % groups:
+        raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups})")
+    state = initial_state
+    if state is None:
+        state = jnp.zeros((b, heads, head_dim, state_size), F32)
+    elif state.shape != (b, heads, head_dim, state_size):
+        raise ValueError(f"initial_state has shape {state.shape}, expected {(b, heads, head_dim, state_size)}")
+    D = jnp.zeros((heads,), F32) if D is None else D
+    dt_bias = jnp.zeros((heads,), F32) if dt_bias is None else dt_bias
+    if blocks is None:
+        blocks = common.heuristic("ssd", key_dim=state_size, value_dim=head_dim)
+    blocks = common.check_blocks(blocks, head_dim)
+    f = _differentiable_xbc(chunk_size, (heads, head_dim, groups, state_size), tuple(float(v) for v in dt_limit),
+                            blocks, bool(interpret))
+    return f(xbc, dt, A, D, dt_bias, state.astype(F32))

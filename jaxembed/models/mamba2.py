@@ -126,9 +126,10 @@ def rms_norm(x, weight, eps, group_size=None):
     return xf.reshape(x.shape) * weight.astype(F32)
 
 
-def _linear(x, w, b=None):
-    """x @ w (+ b) with the operands in x's dtype, float32 out; w may be a LoRA/NF4 weight."""
-    return weights.linear(x, w, bias=b)
+def _linear(x, w, b=None, out_dtype=F32):
+    """x @ w (+ b) with the operands in x's dtype, accumulated in float32, out in out_dtype; w may be
+    a LoRA/NF4 weight."""
+    return weights.linear(x, w, bias=b, out_dtype=out_dtype)
 
 
 def silu(x):
@@ -137,44 +138,45 @@ def silu(x):
     return x / (1.0 + jnp.exp(-x))
 
 
-def causal_conv(xbc, conv_state, weight, bias):
+def causal_conv(xbc, conv_state, weight, bias, out_dtype=F32):
     """Depthwise causal conv continuing from the previous k-1 inputs, then SiLU.
 
-    xbc [b, t, conv_dim], conv_state [b, k-1, conv_dim], weight [k, conv_dim].
-    Returns (out [b, t, conv_dim] float32, new conv state).
+    xbc [b, t, conv_dim], conv_state [b, k-1, conv_dim] float32, weight [k, conv_dim].
+    Returns (out [b, t, conv_dim] in out_dtype, computed in float32; new conv state float32).
     """
     k, t = weight.shape[0], xbc.shape[1]
     full = jnp.concatenate([conv_state, xbc.astype(F32)], axis=1)  # [b, k-1+t, conv_dim]
     out = sum(full[:, i : i + t] * weight[i].astype(F32) for i in range(k))
     if bias is not None:
         out = out + bias.astype(F32)
-    return silu(out), full[:, t:]
+    # the new state read from xbc itself when it is long enough, so `full` has the conv as its
+    # only consumer and XLA fuses the concatenation instead of writing it out
+    new_state = xbc[:, t - (k - 1):].astype(F32) if t >= k - 1 else full[:, t:]
+    return silu(out).astype(out_dtype), new_state
 
 
 def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, chunk_size: int):
-    """The Mamba2 mixer on normalised input u [b, t, d]. Returns (out [b, t, d] float32, new state)."""
+    """The Mamba2 mixer on normalised input u [b, t, d]. Returns (out [b, t, d] in u's dtype, new state).
+
+    Activations between the ops are in u's dtype, as in mamba_ssm's bfloat16 modules (the
+    projections, the conv and the SSD output are bfloat16 there too); every op computes in
+    float32 inside, and decays, segment sums and states are float32 throughout.
+    """
     b, t, _ = u.shape
-    e, gn, h = cfg.d_inner, cfg.n_groups * cfg.d_state, cfg.n_heads
-    zxbcdt = _linear(u, p["in_proj"], p.get("in_proj_bias"))
+    e, h = cfg.d_inner, cfg.n_heads
+    zxbcdt = _linear(u, p["in_proj"], p.get("in_proj_bias"), out_dtype=u.dtype)
     z, xbc, dt = jnp.split(zxbcdt, [e, e + cfg.conv_dim], axis=-1)
-    xbc, conv_state = causal_conv(xbc, state.conv, p["conv_weight"], p.get("conv_bias"))
-    x, B, C = jnp.split(xbc.astype(u.dtype), [e, e + gn], axis=-1)
-    y, ssm_state = kernels.ssd_chunked(
-        x.reshape(b, t, h, cfg.head_dim),
-        dt,
-        -jnp.exp(p["A_log"].astype(F32)),
-        B.reshape(b, t, cfg.n_groups, cfg.d_state),
-        C.reshape(b, t, cfg.n_groups, cfg.d_state),
-        chunk_size=chunk_size,
-        D=p["D"],
-        dt_bias=p["dt_bias"],
-        dt_limit=cfg.dt_limit,
-        initial_state=state.ssm,
+    xbc, conv_state = causal_conv(xbc, state.conv, p["conv_weight"], p.get("conv_bias"), out_dtype=u.dtype)
+    # x, B and C stay packed in xbc: the Pallas kernel reads them as column blocks of it
+    y, ssm_state = kernels.ssd_chunked_xbc(
+        xbc, dt, -jnp.exp(p["A_log"].astype(F32)),
+        heads=h, head_dim=cfg.head_dim, groups=cfg.n_groups, state_size=cfg.d_state,
+        chunk_size=chunk_size, D=p["D"], dt_bias=p["dt_bias"], dt_limit=cfg.dt_limit, initial_state=state.ssm,
     )
     # grouped gated RMSNorm, gate before norm (mamba_ssm's norm_before_gate=False)
-    y = y.reshape(b, t, e).astype(F32) * silu(z)
+    y = y.reshape(b, t, e).astype(F32) * silu(z.astype(F32))
     y = rms_norm(y, p["mixer_norm"], cfg.norm_eps, group_size=e // cfg.n_groups)
-    return _linear(y.astype(u.dtype), p["out_proj"], p.get("out_proj_bias")), State(conv_state, ssm_state)
+    return _linear(y.astype(u.dtype), p["out_proj"], p.get("out_proj_bias"), out_dtype=u.dtype), State(conv_state, ssm_state)
 
 
 def layer(cfg: Mamba2Config, p: dict, x, state: State, *, chunk_size: int, index=None):
@@ -183,7 +185,7 @@ def layer(cfg: Mamba2Config, p: dict, x, state: State, *, chunk_size: int, index
     u = rms_norm(x, p["norm"], cfg.norm_eps).astype(dtype)
     out, state = mixer(cfg, p, u, state, chunk_size=chunk_size)
     residual_dtype = F32 if cfg.residual_in_fp32 else dtype
-    return (x.astype(residual_dtype) + out).astype(residual_dtype), state
+    return (x.astype(residual_dtype) + out.astype(residual_dtype)).astype(residual_dtype), state
 
 
 def embed_tokens(cfg: Mamba2Config, params: dict, ids):

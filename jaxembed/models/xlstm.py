@@ -247,33 +247,35 @@ def soft_cap(x, cap):
     return cap * jnp.tanh(x / cap)
 
 
-def _linear(x, w, b=None):
-    """x @ w (+ b) with the operands in x's dtype, float32 out; w may be a LoRA/NF4 weight."""
-    return weights.linear(x, w, bias=b)
+def _linear(x, w, b=None, out_dtype=F32):
+    """x @ w (+ b) with the operands in x's dtype, accumulated in float32, out in out_dtype; w may be
+    a LoRA/NF4 weight."""
+    return weights.linear(x, w, bias=b, out_dtype=out_dtype)
 
 
 def mlstm_mixer(cfg: XLSTMConfig, p: dict, u, state: State, *, chunk_size: int):
-    """The mLSTM layer on normalised input u [b, t, d]. Returns (out [b, t, d] float32, new state)."""
+    """The mLSTM layer on normalised input u [b, t, d]. Returns (out [b, t, d] in u's dtype, new state)."""
     b, t, _ = u.shape
     h = cfg.n_heads
-    q = _linear(u, p["q"], p.get("q_bias")).reshape(b, t, h, cfg.qk_head_dim)
-    k = _linear(u, p["k"], p.get("k_bias")).reshape(b, t, h, cfg.qk_head_dim)
-    v = _linear(u, p["v"], p.get("v_bias")).reshape(b, t, h, cfg.v_head_dim)
+    # q, k, v and the FFN's activations in the activation dtype straight out of their GEMMs, as in
+    # transformers' bfloat16 model (half the bytes of float32 outputs); gates and states stay float32
+    act = u.dtype
+    q = _linear(u, p["q"], p.get("q_bias"), act).reshape(b, t, h, cfg.qk_head_dim)
+    k = _linear(u, p["k"], p.get("k_bias"), act).reshape(b, t, h, cfg.qk_head_dim)
+    v = _linear(u, p["v"], p.get("v_bias"), act).reshape(b, t, h, cfg.v_head_dim)
     o = _linear(u, p["ogate"], p.get("ogate_bias"))
     i = soft_cap(_linear(u, p["igate"], p["igate_bias"]), cfg.gate_soft_cap)  # [b, t, h]
     f = soft_cap(_linear(u, p["fgate"], p["fgate_bias"]), cfg.gate_soft_cap)
-    # q, k, v in the activation dtype, as the matmul operands of the chunked form (gates and states stay float32)
-    q, k, v = (a.astype(u.dtype) for a in (q, k, v))
     y, state = kernels.mlstm_chunked(q, k, v, i, f, chunk_size=chunk_size, initial_state=state, eps=cfg.eps)
     y = jax.nn.sigmoid(o) * multihead_layer_norm(y, p["multihead_norm"], p.get("multihead_norm_bias"), cfg.norm_eps)
-    return _linear(y.astype(u.dtype), p["out_proj"], p.get("out_proj_bias")), state
+    return _linear(y.astype(act), p["out_proj"], p.get("out_proj_bias"), act), state
 
 
 def feed_forward(p: dict, u):
-    """Gated FFN: (silu(u W_gate) * u W_up) W_down.  [b, t, d] -> [b, t, d] float32"""
-    gate = _linear(u, p["ffn_gate"], p.get("ffn_gate_bias"))
-    up = _linear(u, p["ffn_up"], p.get("ffn_up_bias"))
-    return _linear((jax.nn.silu(gate) * up).astype(u.dtype), p["ffn_down"], p.get("ffn_down_bias"))
+    """Gated FFN: (silu(u W_gate) * u W_up) W_down.  [b, t, d] -> [b, t, d] in u's dtype"""
+    gate = _linear(u, p["ffn_gate"], p.get("ffn_gate_bias"), u.dtype).astype(F32)
+    up = _linear(u, p["ffn_up"], p.get("ffn_up_bias"), u.dtype).astype(F32)
+    return _linear((jax.nn.silu(gate) * up).astype(u.dtype), p["ffn_down"], p.get("ffn_down_bias"), u.dtype)
 
 
 def layer(cfg: XLSTMConfig, p: dict, x, state: State, *, chunk_size: int, index=None):
@@ -281,9 +283,9 @@ def layer(cfg: XLSTMConfig, p: dict, x, state: State, *, chunk_size: int, index=
     dtype = p["q"].dtype
     u = rms_norm(x, p["norm_mlstm"], p.get("norm_mlstm_bias"), cfg.norm_eps).astype(dtype)
     out, state = mlstm_mixer(cfg, p, u, state, chunk_size=chunk_size)
-    x = x + out
+    x = x + out.astype(F32)
     u = rms_norm(x, p["norm_ffn"], p.get("norm_ffn_bias"), cfg.norm_eps).astype(dtype)
-    return x + feed_forward(p, u), state
+    return x + feed_forward(p, u).astype(F32), state
 
 
 def embed_tokens(cfg: XLSTMConfig, params: dict, ids):

@@ -16,6 +16,9 @@ g groups (heads are grouped as h = g * r, r = heads per group), n state size.
     x  [b, t, h, p]     dt [b, t, h]     A [h] (negative)     B, C [b, t, g, n]
     D  [h] or [h, p]    dt_bias [h]      state [b, h, p, n] (float32)
 
+`chunked_xbc` is `chunked` on Mamba2's packed conv output xbc [b, t, h*p + 2*g*n] (x, B and C side
+by side, as the layer produces them): the Pallas kernel reads the three from that one array.
+
 Decays, segment sums, exponentials and states are float32 whatever the activation dtype; the
 matmuls take the activation dtype and accumulate in float32.
 """
@@ -259,3 +262,22 @@ def chunked(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_limit=(0.0, 
     y = y_intra + chunk_output(Cc, entering, a_cum)
     y = y.reshape(b, c * chunk_size, h, p)[:, :t] + _d_skip(x, D)
     return y.astype(x.dtype), states_to_heads(final, h)
+
+
+def split_xbc(xbc, *, heads: int, head_dim: int, groups: int, state_size: int):
+    """xbc [b, t, h*p + 2*g*n] -> (x [b, t, h, p], B [b, t, g, n], C [b, t, g, n])."""
+    b, t, width = xbc.shape
+    e, gn = heads * head_dim, groups * state_size
+    if width != e + 2 * gn:
+        raise ValueError(f"xbc has {width} channels; heads x head_dim + 2 x groups x state_size = {e + 2 * gn}")
+    x, B, C = jnp.split(xbc, [e, e + gn], axis=-1)
+    return (x.reshape(b, t, heads, head_dim), B.reshape(b, t, groups, state_size),
+            C.reshape(b, t, groups, state_size))
+
+
+def chunked_xbc(xbc, dt, A, *, heads: int, head_dim: int, groups: int, state_size: int, chunk_size, D=None,
+                dt_bias=None, dt_limit=(0.0, math.inf), initial_state=None):
+    """`chunked` with x, B and C packed in one array xbc [b, t, h*p + 2*g*n]. Returns (y [b,t,h,p], state)."""
+    x, B, C = split_xbc(xbc, heads=heads, head_dim=head_dim, groups=groups, state_size=state_size)
+    return chunked(x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_limit=dt_limit,
+                   initial_state=initial_state)
