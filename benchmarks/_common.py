@@ -144,25 +144,14 @@ def build_torch(cfg, ids, threads: int, seed: int = 0):
     import warnings
 
     import torch
-    from transformers import Mamba2Config, Mamba2Model
+    from transformers import Mamba2Model
+
+    from jaxembed.convert.mamba2 import to_transformers_config
 
     warnings.filterwarnings("ignore", message=".*falling back.*")
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    tcfg = Mamba2Config(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        state_size=cfg.d_state,
-        num_heads=cfg.n_heads,
-        head_dim=cfg.head_dim,
-        n_groups=cfg.n_groups,
-        expand=cfg.expand,
-        conv_kernel=cfg.d_conv,
-        chunk_size=cfg.chunk_size,
-        num_hidden_layers=cfg.n_layers,
-        use_cache=False,
-    )
-    model = Mamba2Model(tcfg).eval().to(torch.float32)
+    model = Mamba2Model(to_transformers_config(cfg)).eval().to(torch.float32)
     ids_t = torch.from_numpy(ids).long()
 
     def run():

@@ -38,7 +38,7 @@ def write_checkpoint(directory: Path, layers: int, d_model: int, vocab: int, gro
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
     rng = np.random.default_rng(0)
-    bf16 = lambda *shape: rng.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16)  # noqa: E731
+    bf16 = lambda *shape: rng.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16)
     # one shard per layer, as large checkpoints are sharded; written one at a time
     weight_map = {}
     for i in range(layers):
@@ -98,7 +98,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "src", Path(tmp) / "dst"
         sizes = write_checkpoint(src, args.layers, args.d_model, args.vocab, args.groups)
-        run = lambda *a: json.loads(subprocess.run([sys.executable, __file__, *a], check=True, capture_output=True,  # noqa: E731
+        run = lambda *a: json.loads(subprocess.run([sys.executable, __file__, *a], check=True, capture_output=True,
                                                    text=True).stdout.strip().splitlines()[-1])
         base = run("--baseline")
         out = run("--worker", str(src), str(dst))

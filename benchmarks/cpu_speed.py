@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
+import _common as common
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = common.CONFIGS / "bench-cpu-12l-768.yaml"
@@ -113,21 +113,13 @@ def _row_label(method, V, tag, length):
     return label
 
 
-def format_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths))]
-    lines.append("  ".join("-" * w for w in widths))
-    for r in rows:
-        lines.append("  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(r, widths))))
-    return "\n".join(lines)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="model config YAML (default: %(default)s)")
     ap.add_argument("--length", "-T", type=str, default="2048", help="tokens per sequence (e.g. 2048 or 2k)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=5, help="timed repeats per method after warm-up (>= 3 for the report)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed repeats per method after warm-up (>= 3 for the report)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed calls per method (the first compiles)")
     ap.add_argument("--vertical", default="512,1024,default",
                     help="vertical chunk sizes V (multiples of Q); 'default' = jaxembed's policy for this batch")
@@ -135,10 +127,12 @@ def main(argv=None):
     ap.add_argument("--methods", default="jaxembed,mamba2-jax,torch", help="comma list of jaxembed, mamba2-jax, torch")
     ap.add_argument("--threads", type=int, default=2, help="CPUs for every method (affinity, torch and BLAS threads)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--square-size", type=int, default=4096, help="size of the square matmul for the peak rate (0 skips)")
+    ap.add_argument("--square-size", type=int, default=4096,
+                    help="size of the square matmul for the peak rate (0 skips)")
     ap.add_argument("--settle", type=float, default=0.5,
                     help="seconds of idle before each timed call (OpenMP/Eigen threads spin after work)")
-    ap.add_argument("--matmul-calls", type=int, default=3, help="matmul timings per round (the rate is the best of all)")
+    ap.add_argument("--matmul-calls", type=int, default=3,
+                    help="matmul timings per round (the rate is the best of all)")
     ap.add_argument("--csv", default=str(DEFAULT_CSV), help="output CSV (default: %(default)s)")
     args = ap.parse_args(argv)
 
@@ -263,7 +257,7 @@ def main(argv=None):
         row += [f"{peer_min[p] / r['min_s']:.2f}" for p in common.PEERS if p in peer_min]
         rows.append(row)
     print()
-    print(format_table(header, rows))
+    print(common.measure.text_table(header, rows))
     print("(x vs peer = peer's min time / this method's min time: > 1 means faster than the peer)")
 
     jx = [r for r in ok if r["method"] == "jaxembed"]

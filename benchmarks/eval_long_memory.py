@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
+import _common as common
 
 MARK = "@@EVAL_LONG_MEMORY@@"
 
@@ -76,23 +76,24 @@ def main() -> None:
     rows = []
     for mode in args.modes.split(","):
         for length in map(int, args.lengths.split(",")):
-            out = subprocess.run([sys.executable, __file__, "--worker", mode, str(length)], capture_output=True, text=True)
+            out = subprocess.run([sys.executable, __file__, "--worker", mode, str(length)], capture_output=True,
+                                 text=True)
             line = next((x for x in out.stdout.splitlines() if x.startswith(MARK)), None)
             if line is None:
                 print(f"{mode} {length}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
                 continue
             rows.append(json.loads(line[len(MARK):]))
             r = rows[-1]
-            print(f"{mode:10s} {length:6d} tokens  peak RSS {r['peak_rss_mib']:8.0f} MiB  nDCG@10 {r['ndcg_at_10']:.3f}",
-                  file=sys.stderr)
+            print(f"{mode:10s} {length:6d} tokens  peak RSS {r['peak_rss_mib']:8.0f} MiB  "
+                  f"nDCG@10 {r['ndcg_at_10']:.3f}", file=sys.stderr)
     print(f"\n{common.cpu_model()}, mteb.evaluate via MtebEncoder, 4 queries + 4 documents per point\n")
     print("| mode | doc tokens | peak RSS (MiB) | / shortest | truncated |")
     print("|---|---|---|---|---|")
     for mode in args.modes.split(","):
         sub = [r for r in rows if r["mode"] == mode]
         for r in sub:
-            print(f"| {mode} | {r['doc_tokens']} | {r['peak_rss_mib']:.0f} | {r['peak_rss_mib'] / sub[0]['peak_rss_mib']:.3f} "
-                  f"| {r['truncated']} |")
+            print(f"| {mode} | {r['doc_tokens']} | {r['peak_rss_mib']:.0f} "
+                  f"| {r['peak_rss_mib'] / sub[0]['peak_rss_mib']:.3f} | {r['truncated']} |")
 
 
 if __name__ == "__main__":

@@ -174,7 +174,8 @@ def print_row(row):
             continue
         ms = row[f"{mode}_ms"]
         kb = row.get(f"{mode}_temp_kb_per_token")
-        line = f"    {mode:<10}{'' if mode == 'horizontal' else ' V=' + str(row['V'])}: {ms:8.2f} ms = {ms / fl:.3f} x floor"
+        line = (f"    {mode:<10}{'' if mode == 'horizontal' else ' V=' + str(row['V'])}: "
+                f"{ms:8.2f} ms = {ms / fl:.3f} x floor")
         if kb is not None:
             line += f", temps {kb:.1f} KB/token"
         tr = row.get(f"{mode}_trace")

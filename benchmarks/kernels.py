@@ -108,7 +108,7 @@ def inputs(family, b, t, dtype, key, shape=None):
 
     s = shape or SHAPES[family]
     ks = jax.random.split(key, 8)
-    nrm = lambda k, shp: jax.random.normal(k, shp, jnp.float32)  # noqa: E731
+    nrm = lambda k, shp: jax.random.normal(k, shp, jnp.float32)
     if family == "ssd":
         h, p, g, n = s["h"], s["p"], s["g"], s["n"]
         return dict(x=nrm(ks[0], (b, t, h, p)).astype(dtype), dt=nrm(ks[1], (b, t, h)) - 2.0,
@@ -174,7 +174,7 @@ def import_mamba_ssm(src):
         sys.modules[name] = mod
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except Exception as e:  # noqa: BLE001 - report why the peer is absent
+    except Exception as e:  # report why the peer is absent
         return None, f"mamba_ssm import failed: {type(e).__name__}: {e}"
     return mamba_chunk_scan_combined, "ok"
 
@@ -200,14 +200,14 @@ def peer_fn(family, args, peers):
     if family == "wkv7":
         try:
             from fla.ops.rwkv7 import chunk_rwkv7
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             return None, f"fla import failed: {type(e).__name__}: {e}"
         bf = {k: v.to(torch.bfloat16) for k, v in ta.items()}  # fla's kernels are made for bf16 inputs
         return (lambda: chunk_rwkv7(bf["r"], bf["log_w"], bf["k"], bf["v"], bf["a"], bf["b"], scale=1.0,
                                     output_final_state=True)), "fla chunk_rwkv7 (bf16 in)"
     try:
         from mlstm_kernels.torch.chunkwise.triton_xl_chunk import mlstm_chunkwise__xl_chunk
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return None, f"mlstm_kernels import failed: {type(e).__name__}: {e}"
     hm = {k: ta[k].transpose(1, 2).contiguous() for k in ("q", "k", "v", "i", "f")}  # [B, NH, S, ...]
     return (lambda: mlstm_chunkwise__xl_chunk(hm["q"], hm["k"], hm["v"], hm["i"], hm["f"], return_last_states=True,
@@ -236,12 +236,13 @@ def check(rows):
                 args = inputs(family, b, t, dtype, key, small[family])
                 upcast = {k: (v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v) for k, v in args.items()}
                 with jax.default_matmul_precision("highest"):  # exact float32 dots in both
-                    ref = jax.jit(lambda a: run_op(family, "xla", a, 16))(upcast)
-                    out = jax.jit(lambda a: run_op(family, "pallas", a, 16))(args)
+                    ref = jax.jit(lambda a, family=family: run_op(family, "xla", a, 16))(upcast)
+                    out = jax.jit(lambda a, family=family: run_op(family, "pallas", a, 16))(args)
                 y_err = rel_err(out[0].astype(jnp.float32), ref[0])
-                s_err = max(rel_err(o, r) for o, r in zip(jax.tree.leaves(out[1]), jax.tree.leaves(ref[1])))
+                s_err = max(rel_err(o, r) for o, r in zip(jax.tree.leaves(out[1]), jax.tree.leaves(ref[1]),
+                                                          strict=True))
                 first = next(iter(args))
-                loss = lambda a: jnp.sum(run_op(family, "pallas", a, 16)[0].astype(jnp.float32) ** 2)  # noqa: E731
+                loss = lambda a, family=family: jnp.sum(run_op(family, "pallas", a, 16)[0].astype(jnp.float32) ** 2)
                 grad = jax.jit(jax.grad(loss))(args)[first]
                 finite = bool(jnp.all(jnp.isfinite(grad.astype(jnp.float32))))
                 rows.append(dict(family=family, dtype=jnp.dtype(dtype).name, b=b, t=t, y_rel_err=y_err,
@@ -304,9 +305,10 @@ def ops_table(rows, families, lengths, batches, peers, rate, bw, mem_bytes):
                 chunk = SHAPES[family]["chunk"]
                 for backend in ("pallas", "xla"):
                     try:
-                        fn = jax.jit(lambda a, backend=backend: run_op(family, backend, a, min(chunk, 64)))
+                        fn = jax.jit(lambda a, family=family, backend=backend, chunk=chunk:
+                                     run_op(family, backend, a, min(chunk, 64)))
                         row[f"{backend}_ms"] = 1e3 * time_jax(fn, (args,))
-                    except Exception as e:  # noqa: BLE001 - OOM and the like go in the table
+                    except Exception as e:  # OOM and the like go in the table
                         row[f"{backend}_ms"] = None
                         row.setdefault("note", "")
                         row["note"] += f" {backend}: {type(e).__name__}: {str(e)[:120]}"
@@ -315,7 +317,7 @@ def ops_table(rows, families, lengths, batches, peers, rate, bw, mem_bytes):
                     fn, label = peer_fn(family, args, peers)
                     row["peer"] = label
                     row["peer_ms"] = None if fn is None else 1e3 * time_torch(fn)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     row["peer_ms"] = None
                     row["peer"] = f"failed: {type(e).__name__}: {str(e)[:160]}"
                 del args
@@ -344,9 +346,9 @@ def sweep(rows, families, t=16384, b=1):
         for chunk, vb, warps in SWEEP[family] + [(default.chunk, default.value_block, default.num_warps)]:
             blocks = BlockSizes(chunk=chunk, value_block=vb, num_warps=warps)
             try:
-                fn = jax.jit(lambda a, blocks=blocks: run_op(family, "pallas", a, 16, blocks))
+                fn = jax.jit(lambda a, family=family, blocks=blocks: run_op(family, "pallas", a, 16, blocks))
                 ms = 1e3 * time_jax(fn, (args,))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 ms = f"{type(e).__name__}: {str(e)[:100]}"
             rows.append(dict(family=family, b=b, t=t, chunk=chunk, value_block=vb, num_warps=warps, ms=ms,
                              heuristic=blocks == default))
@@ -360,7 +362,8 @@ def encode_table(rows, families, layers, lengths):
     import jax
     import jax.numpy as jnp
 
-    from jaxembed import config as config_lib, models
+    from jaxembed import config as config_lib
+    from jaxembed import models
     from jaxembed.schedule import embed
 
     for family in families:
@@ -375,12 +378,12 @@ def encode_table(rows, families, layers, lengths):
             lengths_ = jnp.array([t])
             row = dict(family=family, config=CONFIGS[family], layers=layers, t=t)
             for backend in ("pallas", "xla"):
-                fn = jax.jit(lambda p, i, n, backend=backend: embed(p, cfg, i, n, vertical_chunk_size=4096,
-                                                                     kernels=backend))
+                fn = jax.jit(lambda p, i, n, cfg=cfg, backend=backend: embed(p, cfg, i, n, vertical_chunk_size=4096,
+                                                                              kernels=backend))
                 try:
                     row[f"{backend}_s"] = time_jax(fn, (params, ids, lengths_), reps=3)
                     row[f"{backend}_emb"] = np.asarray(fn(params, ids, lengths_), np.float32)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     row[f"{backend}_s"] = None
                     row["note"] = f"{backend}: {type(e).__name__}: {str(e)[:160]}"
                 jax.clear_caches()

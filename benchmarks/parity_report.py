@@ -37,12 +37,12 @@ def main() -> None:
             emb = jaxembed.load(tmp)
             for v in (None, q, 2 * q, 5 * q):
                 out = emb.encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=v, batch_size=len(seqs))
-                worst[f"transformers {case} V={v}"] = max(rel_err(o, r) for o, r in zip(out, ref))
+                worst[f"transformers {case} V={v}"] = max(rel_err(o, r) for o, r in zip(out, ref, strict=True))
         if case.get("hidden_size", 64) == 64:
             with tempfile.TemporaryDirectory() as tmp:
                 save_mamba_ssm_layout(model, Path(tmp), pad_multiple=8)
                 out = jaxembed.load(tmp).encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=2 * q)
-                worst[f"mamba_ssm   {case} V={2 * q}"] = max(rel_err(o, r) for o, r in zip(out, ref))
+                worst[f"mamba_ssm   {case} V={2 * q}"] = max(rel_err(o, r) for o, r in zip(out, ref, strict=True))
     for name, err in worst.items():
         print(f"{err:.2e}  {name}")
     print(f"worst relative error: {max(worst.values()):.2e} (lengths {LENGTHS}, one batch of mixed lengths)")

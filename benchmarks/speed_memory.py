@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
+import _common as common
 
-from jaxembed.bench import measure  # noqa: E402
+from jaxembed.bench import measure
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = common.CONFIGS / "bench-memory-4l-256.yaml"
@@ -96,19 +96,12 @@ def method_label(method: str, V: int | None, tag: str = "") -> str:
     return f"jaxembed vertical V={V}" + (f" ({tag})" if tag else "")
 
 
-def format_table(header, rows) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    for r in rows:
-        lines.append("  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(r, widths))))
-    return "\n".join(lines)
-
-
 def flatness(rows: list[dict], label: str, min_length: int = 0, key: str = "peak_rss_mib"):
     """(max/min of `key` over one method's successful points with length > min_length, shortest,
     longest), or None with fewer than two points."""
     pts = [(int(r["length"]), float(r[key])) for r in rows
-           if r["label"] == label and r["status"] == "ok" and int(r["length"]) > min_length and r.get(key) not in (None, "")]
+           if r["label"] == label and r["status"] == "ok" and int(r["length"]) > min_length
+           and r.get(key) not in (None, "")]
     if len(pts) < 2:
         return None
     rss = [p[1] for p in pts]
@@ -135,7 +128,7 @@ def plot(rows: list[dict], labels: list[str], path: Path, title: str) -> None:
             ax1.plot([], [], style, marker="o", label=legend)
             ax2.plot([], [], style, marker="o", label=legend)
             continue
-        x, tps, rss = zip(*pts)
+        x, tps, rss = zip(*pts, strict=True)
         line, = ax1.plot(x, tps, style, marker="o", label=legend)
         ax2.plot(x, rss, style, marker="o", color=line.get_color(), label=legend)
     for ax, ylabel in ((ax1, "tokens / s"), (ax2, "peak RSS (MiB)")):
@@ -190,8 +183,8 @@ def parent(args) -> int:
         variants += [("jaxembed", V, method_label("jaxembed", V, tag)) for V, tag in vertical.items()]
     variants += [(m, None, common.PEER_LABELS[m]) for m in peers if m in methods]
 
-    print(f"# speed_memory: {Path(args.config).name} ({cfg.architecture})  batch={args.batch}  lengths={','.join(map(common.fmt_len, lengths))}"
-          f"  repeats={args.repeats}  fp32")
+    print(f"# speed_memory: {Path(args.config).name} ({cfg.architecture})  batch={args.batch}"
+          f"  lengths={','.join(map(common.fmt_len, lengths))}  repeats={args.repeats}  fp32")
     print(f"# CPU: {common.cpu_model()}  threads={env['threads']} (cpus {env['cpus']})  XLA_FLAGS={env['XLA_FLAGS']!r}"
           f"  load avg {os.getloadavg()[0]:.2f}")
     limit = f"{args.memory_limit_mib:.0f} MiB" if args.memory_limit_mib else "none"
@@ -246,15 +239,15 @@ def parent(args) -> int:
 
     header = ["method"] + [common.fmt_len(n) for n in lengths]
     print("\ntokens/s (from the min of the repeats)")
-    print(format_table(header, [[lab] + [cell(by.get((lab, n)), "tokens_per_s", "{:.0f}") for n in lengths]
+    print(measure.text_table(header, [[lab] + [cell(by.get((lab, n)), "tokens_per_s", "{:.0f}") for n in lengths]
                                 for lab in labels]))
     print("\npeak RSS of the fresh process (MiB)")
-    print(format_table(header, [[lab] + [cell(by.get((lab, n)), "peak_rss_mib", "{:.0f}") for n in lengths]
+    print(measure.text_table(header, [[lab] + [cell(by.get((lab, n)), "peak_rss_mib", "{:.0f}") for n in lengths]
                                 for lab in labels]))
     if any("run_increase_rss_mib" in r for r in rows):
         print("\npeak RSS while compiling and running, minus the RSS just before (MiB): activations, "
               "compilation, workspace")
-        print(format_table(header, [[lab] + [cell(by.get((lab, n)), "run_increase_rss_mib", "{:.0f}")
+        print(measure.text_table(header, [[lab] + [cell(by.get((lab, n)), "run_increase_rss_mib", "{:.0f}")
                                              for n in lengths] for lab in labels]))
     failed = [r for r in rows if r["status"] not in ("ok", "skipped")]
     if failed:
@@ -298,8 +291,8 @@ def main(argv=None):
                     help="vertical chunk sizes V for jaxembed ('default' = jaxembed's policy for the batch size)")
     ap.add_argument("--no-horizontal", action="store_true", help="skip jaxembed horizontal")
     ap.add_argument("--methods", default=None,
-                    help="comma list of jaxembed and the architecture's peers (default: all; mamba2: mamba2-jax, torch; "
-                         "rwkv7: rwkv; xlstm: torch)")
+                    help="comma list of jaxembed and the architecture's peers "
+                         "(default: all; mamba2: mamba2-jax, torch; rwkv7: rwkv; xlstm: torch)")
     ap.add_argument("--peer-max-length", type=lambda s: common.parse_int_list(s)[0], default=128 * 1024,
                     help="longest input the peers are run at; longer points are reported as skipped (default 128k)")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-point wall-clock limit in seconds")

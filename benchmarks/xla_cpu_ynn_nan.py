@@ -69,7 +69,8 @@ def main() -> None:
         bad = [r["bad_rows"] for r in results]
         rows.append(("on (XLA's default)" if keep_ynn else "off (jaxembed's default)",
                      sum(b > 0 for b in bad), " ".join(map(str, bad)), results[0]["jaxlib"]))
-    print(f"batch {args.batch} x {args.length} tokens, {args.config.name} (1 layer), {args.trials} fresh processes each\n")
+    print(f"batch {args.batch} x {args.length} tokens, {args.config.name} (1 layer), "
+          f"{args.trials} fresh processes each\n")
     print("| YNN fusions | processes with NaN rows | NaN rows per process | jaxlib |")
     print("|---|---|---|---|")
     for label, n_bad, per_process, jaxlib_version in rows:

@@ -12,15 +12,13 @@ jit-compatible function underneath.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from jaxembed import xla_cpu
 
 xla_cpu.apply()  # before any JAX backend starts: XLA:CPU's YNN fusions off (see xla_cpu.py)
 
-from jaxembed.config import ConfigError, Mamba2Config, load_config
-from jaxembed.embedder import QUERY_TEMPLATE, Embedder, load_tokenizer
-from jaxembed.schedule import embed, forward
+from jaxembed.config import ConfigError, Mamba2Config, load_config  # noqa: E402
+from jaxembed.embedder import QUERY_TEMPLATE, Embedder, load_tokenizer  # noqa: E402
+from jaxembed.schedule import embed, forward  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -36,14 +34,8 @@ def load(path, *, dtype=None, tokenizer=None, chunk_size=None, query_template=No
     kernels: "auto" (Pallas kernels on GPU, XLA elsewhere), "pallas", "interpret" or "xla".
     """
     from jaxembed import checkpoint
-    from jaxembed.convert import read_checkpoint
 
-    directory = Path(path).expanduser()
-    if directory.is_dir() and checkpoint.is_converted(directory):
-        config, params, settings = checkpoint.load(directory)
-    else:
-        ck = read_checkpoint(path)
-        config, params, settings, directory = ck.config, ck.params, {}, ck.directory
+    config, params, settings, directory = checkpoint.open_model(path)
     return Embedder(
         params,
         config,

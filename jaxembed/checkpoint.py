@@ -46,8 +46,7 @@ def save(directory, config, params, *, embedder: dict | None = None, source: str
 def load(directory):
     """(config, params, embedder settings) from a converted directory, every tensor's shape checked."""
     from jaxembed import models
-    from jaxembed.config import ConfigError
-    from jaxembed.convert.sources import ConversionError
+    from jaxembed.errors import ConfigError, ConversionError
 
     directory = Path(directory).expanduser().absolute()
     try:
@@ -70,6 +69,20 @@ def load(directory):
 
 
 OPTIONAL_PARAMS = ("lm_head",)  # a base model without its language-model head embeds just the same
+
+
+def open_model(path) -> tuple:
+    """(config, params, embedder settings, directory) of a converted directory (`jaxembed convert`)
+    or a Hugging Face-format checkpoint (a directory or hub id in any supported layout, converted
+    in memory; no settings). The one way `jaxembed.load` and the trainer open a model."""
+    from jaxembed.convert import read_checkpoint
+
+    directory = Path(path).expanduser()
+    if directory.is_dir() and is_converted(directory):
+        config, params, settings = load(directory)
+        return config, params, settings, directory
+    ck = read_checkpoint(path)
+    return ck.config, ck.params, {}, ck.directory
 
 
 def _shape_problems(params, shapes, prefix="") -> list[str]:

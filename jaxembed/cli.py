@@ -74,7 +74,7 @@ def cmd_embed(args) -> int:
     if args.output is None or args.output.suffix == ".jsonl":
         opened = contextlib.nullcontext(sys.stdout) if args.output is None else open(args.output, "w", encoding="utf-8")
         with opened as stream:
-            for text, vec in zip(texts, emb):
+            for text, vec in zip(texts, emb, strict=True):
                 stream.write(json.dumps({"text": text, "embedding": np.round(vec.astype(float), 7).tolist()}) + "\n")
     else:
         np.save(args.output, emb)
@@ -164,13 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="MTEB / LongEmbed through mteb, with the paper's instructions and summary table")
     p.add_argument("--model", required=True, help="converted or Hugging Face directory")
-    p.add_argument("--benchmark", default=None, help='e.g. "MTEB(eng, v2)", "MTEB(Multilingual, v2)", "MTEB(eng, v1)", LongEmbed')
+    p.add_argument("--benchmark", default=None,
+                   help='e.g. "MTEB(eng, v2)", "MTEB(Multilingual, v2)", "MTEB(eng, v1)", LongEmbed')
     p.add_argument("--tasks", default=None, help="comma-separated mteb task names")
-    p.add_argument("--local-tasks", default=None, help="offline tasks of every type from a `jaxembed corpus stdlib` jsonl")
-    p.add_argument("--output", default="results", help="mteb result cache folder (results/<model>/<revision>/<task>.json)")
+    p.add_argument("--local-tasks", default=None,
+                   help="offline tasks of every type from a `jaxembed corpus stdlib` jsonl")
+    p.add_argument("--output", default="results",
+                   help="mteb result cache folder (results/<model>/<revision>/<task>.json)")
     p.add_argument("--name", default=None, help="model name in the results, 'org/model' (default: jaxembed/<dir name>)")
     p.add_argument("--revision", default=None, help="model revision in the results (default: local)")
-    p.add_argument("--max-length", type=int, default=None, help="tokens per text (default: 512; LongEmbed: 32768; 0: no limit)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="tokens per text (default: 512; LongEmbed: 32768; 0: no limit)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--instructions", choices=["paper", "paper-only", "none"], default="paper",
                    help="paper: Appendix H, then the task's own mteb prompt; paper-only; none")

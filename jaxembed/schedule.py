@@ -1,6 +1,7 @@
 """Cross-layer scheduling (Section 3.2.3): horizontal and vertically chunked inference.
 
-One loop serves every architecture: it only calls the family's `init_state` and `layer`.
+One loop serves every architecture: it only calls the family's `init_state` and `layer`, passing
+the `Runtime` (Q, kernels backend, remat) that `embed` / `forward` build from their arguments.
 
 * horizontal: the whole sequence goes through one layer at a time (`lax.scan` over layers);
 * vertical: a `lax.scan` over vertical chunks of V tokens, each a `lax.scan` over layers that
@@ -13,31 +14,24 @@ sees the pads.
 
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxembed import kernels as kernel_backends
 from jaxembed import models
+from jaxembed.errors import check_positive_int
+from jaxembed.runtime import Runtime
 
 F32 = jnp.float32
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
 def check_chunk_sizes(vertical_chunk_size: int | None, chunk_size: int) -> None:
     """V must be a positive multiple of Q (the intra-layer chunk size)."""
-    if not _is_int(chunk_size) or chunk_size <= 0:
-        raise ValueError(f"chunk_size (Q) must be a positive int, got {chunk_size!r}")
+    check_positive_int("chunk_size (Q)", chunk_size)
+    check_positive_int("vertical_chunk_size (V)", vertical_chunk_size, optional=True)
     if vertical_chunk_size is None:
         return
-    if not _is_int(vertical_chunk_size) or vertical_chunk_size <= 0:
-        raise ValueError(f"vertical_chunk_size (V) must be a positive int or None, got {vertical_chunk_size!r}")
     if vertical_chunk_size % chunk_size:
         raise ValueError(
             f"vertical_chunk_size V={vertical_chunk_size} is not a multiple of the chunk size Q={chunk_size}; "
@@ -68,7 +62,8 @@ def _layer_param_slicer(layer_params):
     n_layers = leaves[0].shape[0]
     small = [
         i for i, a in enumerate(leaves)
-        if jax.default_backend() == "cpu" and a[0].size <= SMALL_PARAM_ELEMENTS and jnp.issubdtype(a.dtype, jnp.floating)
+        if jax.default_backend() == "cpu" and a[0].size <= SMALL_PARAM_ELEMENTS
+        and jnp.issubdtype(a.dtype, jnp.floating)
     ]
     tables = {}  # dtype -> (leaf indices, [n_layers, total] table)
     for i in small:
@@ -96,12 +91,12 @@ def _layer_param_slicer(layer_params):
     return scanned, params_at
 
 
-def run_layers(cfg, layer_params, x, states, *, chunk_size: int, remat: bool = False):
+def run_layers(cfg, layer_params, x, states, *, runtime: Runtime):
     """All layers on the stream x (the residual [b, t, d], or a pytree holding it), each continuing
     from its state: a `lax.scan` over stacked layers.
 
-    remat: rematerialise each layer in the backward pass (`jax.checkpoint` around the scan body),
-    so a gradient keeps one residual stream per layer instead of every layer's activations.
+    runtime.remat rematerialises each layer in the backward pass (`jax.checkpoint` around the scan
+    body), so a gradient keeps one residual stream per layer instead of every layer's activations.
     """
     layer_fn = models.family(cfg).layer
     scanned, params_at = _layer_param_slicer(layer_params)
@@ -109,21 +104,20 @@ def run_layers(cfg, layer_params, x, states, *, chunk_size: int, remat: bool = F
 
     def body(x, inputs):
         scanned_l, layer, state_l = inputs
-        x, state_l = layer_fn(cfg, params_at(scanned_l, layer), x, state_l, chunk_size=chunk_size, index=layer)
+        x, state_l = layer_fn(cfg, params_at(scanned_l, layer), x, state_l, runtime=runtime, index=layer)
         return x, state_l
 
-    if remat:
+    if runtime.remat:
         body = jax.checkpoint(body, prevent_cse=False)  # inside a scan CSE cannot defeat the remat
     return lax.scan(body, x, (scanned, jnp.arange(n_layers), states))
 
 
-def _layers(config, params, ids, states, chunk_size, remat=False):
+def _layers(config, params, ids, states, runtime: Runtime):
     family = models.family(config)
-    return run_layers(config, params["layers"], family.embed_tokens(config, params, ids), states,
-                      chunk_size=chunk_size, remat=remat)
+    return run_layers(config, params["layers"], family.embed_tokens(config, params, ids), states, runtime=runtime)
 
 
-def _vertically(config, params, ids, V, chunk_size, consume, extra, remat=False):
+def _vertically(config, params, ids, V, runtime: Runtime, consume, extra):
     """Run ids [b, t] through all layers V tokens at a time, carrying one state per layer.
 
     The t // V full chunks are a `lax.scan`; the t % V remaining tokens run once more from the
@@ -138,7 +132,7 @@ def _vertically(config, params, ids, V, chunk_size, consume, extra, remat=False)
     def step(carry, chunk):
         states, extra = carry
         ids_k, start = chunk
-        x, states = _layers(config, params, ids_k, states, chunk_size, remat)
+        x, states = _layers(config, params, ids_k, states, runtime)
         extra, out = consume(extra, models.hidden(config, x), start)
         return (states, extra), out
 
@@ -153,11 +147,26 @@ def _vertically(config, params, ids, V, chunk_size, consume, extra, remat=False)
     return carry[1], outputs
 
 
-def _check_ids(ids):
+def _checked_ids(config, ids, vertical_chunk_size, runtime: Runtime):
+    """What `embed` and `forward` check before they run: V against Q and the family, and the ids'
+    shape, dtype and (when concrete) range. Returns ids as a jax array."""
+    check_chunk_sizes(vertical_chunk_size, runtime.chunk_size)
+    _check_vertical(config, vertical_chunk_size)
+    ids = jnp.asarray(ids)
     if ids.ndim != 2:
         raise ValueError(f"ids must be [batch, time], got shape {ids.shape}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"ids must be integers, got {ids.dtype}")
+    try:
+        concrete = np.asarray(ids)
+    except jax.errors.TracerArrayConversionError:
+        return ids  # traced under jit: in range is the caller's promise (`Embedder` always checks)
+    bad = (concrete < 0) | (concrete >= config.vocab_size)
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"ids must be in [0, {config.vocab_size}) (the vocabulary size); ids[{row}, {col}] = "
+                         f"{int(concrete[row, col])} ({int(bad.sum())} out of range)")
+    return ids
 
 
 def forward(params, config, ids, *, vertical_chunk_size: int | None = None, chunk_size: int | None = None,
@@ -168,27 +177,28 @@ def forward(params, config, ids, *, vertical_chunk_size: int | None = None, chun
     output itself is O(t), the activations are O(V). `kernels` picks the chunked operators'
     backend (see `jaxembed.kernels`).
     """
-    with kernel_backends.use(kernels):
-        return _forward(params, config, ids, vertical_chunk_size, chunk_size)
+    return _forward(params, config, ids, vertical_chunk_size, _runtime(config, chunk_size, kernels, False))
 
 
 def _check_vertical(config, vertical_chunk_size) -> None:
-    if vertical_chunk_size is not None and not getattr(models.family(config), "VERTICAL", True):
+    if vertical_chunk_size is not None and not models.family(config).VERTICAL:
         raise ValueError(f"{config.architecture} models have no constant-size state and run horizontally only; "
                          f"pass vertical_chunk_size=None (got {vertical_chunk_size})")
 
 
-def _forward(params, config, ids, vertical_chunk_size, chunk_size):
-    family = models.family(config)
+def _runtime(config, chunk_size, kernels, remat) -> Runtime:
+    """The explicit runtime of one call; Q defaults to the config's."""
     chunk_size = config.chunk_size if chunk_size is None else chunk_size
-    check_chunk_sizes(vertical_chunk_size, chunk_size)
-    _check_vertical(config, vertical_chunk_size)
-    ids = jnp.asarray(ids)
-    _check_ids(ids)
+    return Runtime(chunk_size=chunk_size, kernels=kernels, remat=remat)
+
+
+def _forward(params, config, ids, vertical_chunk_size, runtime: Runtime):
+    family = models.family(config)
+    ids = _checked_ids(config, ids, vertical_chunk_size, runtime)
     if vertical_chunk_size is None or ids.shape[1] <= vertical_chunk_size:
-        x, _ = _layers(config, params, ids, init_states(config, ids.shape[0]), chunk_size)
+        x, _ = _layers(config, params, ids, init_states(config, ids.shape[0]), runtime)
         return family.final_norm(config, params, models.hidden(config, x))
-    _, outputs = _vertically(config, params, ids, vertical_chunk_size, chunk_size,
+    _, outputs = _vertically(config, params, ids, vertical_chunk_size, runtime,
                              lambda extra, x, start: (extra, family.final_norm(config, params, x)), None)
     return jnp.concatenate(outputs, axis=1)
 
@@ -214,7 +224,9 @@ def embed(params, config, ids, lengths, *, vertical_chunk_size: int | None = Non
     Args:
       params: the model's params pytree (layers stacked on a leading axis).
       config: the architecture config (static under jit).
-      ids: int [b, t], right-padded token ids. Pads may be any valid id.
+      ids: int [b, t], right-padded token ids in [0, vocab_size). Pads may be any valid id. Checked
+        when concrete (an id out of range is a ValueError naming it); under jit, in range is the
+        caller's promise, as XLA's gather would clamp or give NaN.
       lengths: int [b], 1 <= lengths <= t: the pooled position is lengths-1 (the EOS for texts).
         Checked when concrete; under jit they are clipped into [1, t].
       vertical_chunk_size: None for horizontal inference, or V (a multiple of Q) for
@@ -227,23 +239,19 @@ def embed(params, config, ids, lengths, *, vertical_chunk_size: int | None = Non
     Returns:
       [b, d] float32.
     """
-    with kernel_backends.use(kernels):
-        return _embed(params, config, ids, lengths, vertical_chunk_size, chunk_size, normalize, remat)
+    return _embed(params, config, ids, lengths, vertical_chunk_size, normalize,
+                  _runtime(config, chunk_size, kernels, remat))
 
 
-def _embed(params, config, ids, lengths, vertical_chunk_size, chunk_size, normalize, remat=False):
+def _embed(params, config, ids, lengths, vertical_chunk_size, normalize, runtime: Runtime):
     family = models.family(config)
-    chunk_size = config.chunk_size if chunk_size is None else chunk_size
-    check_chunk_sizes(vertical_chunk_size, chunk_size)
-    _check_vertical(config, vertical_chunk_size)
-    ids = jnp.asarray(ids)
-    _check_ids(ids)
+    ids = _checked_ids(config, ids, vertical_chunk_size, runtime)
     b, t = ids.shape
     last = _pooling_positions(lengths, b, t)
     rows = jnp.arange(b)
 
     if vertical_chunk_size is None or t <= vertical_chunk_size:
-        x, _ = _layers(config, params, ids, init_states(config, b), chunk_size, remat)
+        x, _ = _layers(config, params, ids, init_states(config, b), runtime)
         pooled = models.hidden(config, x)[rows, last]
     else:
         def consume(pooled, x, start):
@@ -252,8 +260,8 @@ def _embed(params, config, ids, lengths, vertical_chunk_size, chunk_size, normal
             here = (local >= 0) & (local < n)
             return jnp.where(here[:, None], x[rows, jnp.clip(local, 0, n - 1)].astype(F32), pooled), None
 
-        pooled, _ = _vertically(config, params, ids, vertical_chunk_size, chunk_size, consume,
-                                jnp.zeros((b, config.hidden_size), F32), remat)
+        pooled, _ = _vertically(config, params, ids, vertical_chunk_size, runtime, consume,
+                                jnp.zeros((b, config.hidden_size), F32))
 
     out = family.final_norm(config, params, pooled)
     if normalize:

@@ -61,6 +61,12 @@ def linear(x, w, compute_dtype=None, bias=None, out_dtype=F32):
     return (y if bias is None else y + bias.astype(F32)).astype(out_dtype)
 
 
+def lm_head(hidden, head):
+    """Language-model logits: hidden [..., d] against head [vocab, d] (operands in head's dtype) ->
+    [..., vocab] float32."""
+    return jnp.einsum("...d,vd->...v", hidden.astype(head.dtype), head, preferred_element_type=F32)
+
+
 def densify(tree):
     """Every DerivedWeight in `tree` replaced by its dense matrix (for export and checks)."""
     return jax.tree.map(lambda leaf: leaf.dense() if is_derived(leaf) else leaf, tree, is_leaf=is_derived)

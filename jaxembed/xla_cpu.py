@@ -32,7 +32,9 @@ def jaxlib_version() -> tuple[int, int]:
     return tuple(int(part) for part in jaxlib.__version__.split(".")[:2])
 
 
-def plan(xla_flags: str, opt_out: bool, jaxlib_version: tuple[int, ...], backends_started: bool) -> tuple[str, str | None]:
+def plan(
+    xla_flags: str, opt_out: bool, jaxlib_version: tuple[int, ...], backends_started: bool
+) -> tuple[str, str | None]:
     """(what to do, the new XLA_FLAGS or None). What to do is one of "set", "kept: user flag",
     "kept: opt-out", "kept: jaxlib without the flag", "too late"."""
     if YNN_FLAG in xla_flags:

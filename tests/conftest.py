@@ -12,7 +12,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
 
 from jaxembed.testing import (  # noqa: E402,F401
-    hf_last_hidden, make_hf_mamba2, make_tokenizer, rel_err, save_codestral_layout, save_mamba_ssm_layout,
+    hf_last_hidden,
+    make_hf_mamba2,
+    make_tokenizer,
+    rel_err,
+    save_codestral_layout,
+    save_mamba_ssm_layout,
 )
 
 # Relative tolerance per dtype for parity with references (norm-wise: |out - ref| / |ref|).

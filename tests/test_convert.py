@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import TOLERANCE, hf_last_hidden, make_hf_mamba2, rel_err
 from safetensors.torch import load_file, save_file
 
 import jaxembed
-from conftest import TOLERANCE, hf_last_hidden, make_hf_mamba2, rel_err
 from jaxembed.cli import main
 from jaxembed.convert import ConversionError, read_checkpoint
 
@@ -26,7 +26,7 @@ def test_convert_round_trip_and_verify(hf_model_dir, tmp_path, capsys):
     np.testing.assert_array_equal(converted.encode_ids(seqs), original.encode_ids(seqs))
     ref = hf_last_hidden(model, seqs)
     out = converted.encode_ids(seqs, normalize_embeddings=False)
-    assert max(rel_err(o, r) for o, r in zip(out, ref)) < TOLERANCE["float32"]
+    assert max(rel_err(o, r) for o, r in zip(out, ref, strict=True)) < TOLERANCE["float32"]
     assert converted.encode("hello").shape == (converted.embedding_dim,)  # the tokenizer came along
 
 

@@ -41,7 +41,7 @@ def test_encode_matches_reference_in_input_order(embedder, tokenizer):
     out = emb.encode(TEXTS, batch_size=2)
     assert out.shape == (len(TEXTS), emb.embedding_dim) and out.dtype == np.float32
     ref = reference(model, tokenizer, TEXTS)
-    for o, r in zip(out, ref):
+    for o, r in zip(out, ref, strict=True):
         assert rel_err(o, r) < TOLERANCE["float32"]
     np.testing.assert_allclose(np.linalg.norm(out, axis=-1), 1.0, rtol=1e-6)
 
@@ -105,7 +105,9 @@ def test_embed_is_pure_and_composable(embedder):
     lengths = jnp.array([40, 13])
     f = jax.jit(jaxembed.embed, static_argnums=1, static_argnames=("vertical_chunk_size",))
     direct = f(params, cfg, ids, lengths, vertical_chunk_size=16)
-    mapped = jax.vmap(lambda i, n: jaxembed.embed(params, cfg, i, n, vertical_chunk_size=16))(ids[:, None], lengths[:, None])
+    mapped = jax.vmap(lambda i, n: jaxembed.embed(params, cfg, i, n, vertical_chunk_size=16))(
+        ids[:, None], lengths[:, None]
+    )
     np.testing.assert_allclose(mapped[:, 0], direct, rtol=1e-5, atol=1e-6)
     grads = jax.grad(lambda p: jnp.sum(jaxembed.embed(p, cfg, ids, lengths)[0] ** 3))(params)
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
@@ -114,11 +116,13 @@ def test_embed_is_pure_and_composable(embedder):
 @pytest.mark.parametrize("call, error, message", [
     (lambda e: e.encode(["ok", 3]), TypeError, r"texts\[1\] is int"),
     (lambda e: e.encode([b"bytes"]), TypeError, r"texts\[0\] is bytes"),
-    (lambda e: e.encode_ids([[1, 2], [5, 100000]]), ValueError, r"ids\[1\]\[1\] = 100000 is out of the vocabulary range"),
+    (lambda e: e.encode_ids([[1, 2], [5, 100000]]), ValueError,
+     r"ids\[1\]\[1\] = 100000 is out of the vocabulary range"),
     (lambda e: e.encode_ids([[1, -1]]), ValueError, r"ids\[0\]\[1\] = -1 is out of the vocabulary range"),
     (lambda e: e.encode_ids([[1], []]), ValueError, r"ids\[1\] is empty"),
     (lambda e: e.encode_ids([[1.5, 2.0]]), TypeError, r"ids\[0\] must hold ints"),
-    (lambda e: e.encode_ids([[1, 2]], vertical_chunk_size=12), ValueError, r"V=12 is not a multiple of the chunk size Q=8"),
+    (lambda e: e.encode_ids([[1, 2]], vertical_chunk_size=12), ValueError,
+     r"V=12 is not a multiple of the chunk size Q=8"),
     (lambda e: e.encode_ids([[1, 2]], batch_size=0), ValueError, "batch_size must be a positive int"),
     (lambda e: e.encode(["a"], vertical_chunk_size="big"), ValueError, "vertical_chunk_size must be"),
 ])

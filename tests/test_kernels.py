@@ -142,7 +142,8 @@ def _kernel_entry(family):
     from jaxembed.kernels import ssd as k_ssd
     from jaxembed.kernels import wkv7 as k_wkv7
 
-    return {"ssd": k_ssd.chunked, "ssd_xbc": k_ssd.chunked_xbc, "wkv7": k_wkv7.chunked, "mlstm": k_mlstm.chunked}[family]
+    entries = {"ssd": k_ssd.chunked, "ssd_xbc": k_ssd.chunked_xbc, "wkv7": k_wkv7.chunked, "mlstm": k_mlstm.chunked}
+    return entries[family]
 
 
 @pytest.mark.parametrize("family", list(CASES))
@@ -216,15 +217,27 @@ def test_embed_with_interpreted_kernels_matches_transformers(hf_model_dir):
         assert rel_err(out, ref) < 1e-4, (v, rel_err(out, ref))
 
 
+def test_runtime_is_static_and_checked():
+    """The explicit runtime: hashable (a static jit argument), checked when made."""
+    from jaxembed.runtime import Runtime
+
+    assert hash(Runtime(64, "xla")) == hash(Runtime(64, "xla")) and Runtime(64) != Runtime(64, "interpret")
+    with pytest.raises(ValueError, match="chunk_size"):
+        Runtime(0)
+    with pytest.raises(ValueError, match="kernels backend must be one of"):
+        Runtime(64, "triton")
+    with pytest.raises(TypeError, match="remat"):
+        Runtime(64, remat=1)
+
+
 def test_dispatch_and_block_checks(monkeypatch):
     assert kernels.resolve("auto") == ("pallas" if jax.default_backend() == "gpu" else "xla")
-    with kernels.use("interpret"):
-        assert kernels.resolve() == "interpret"
-        with kernels.use("xla"):
-            assert kernels.resolve() == "xla"
-        assert kernels.resolve() == "interpret"
+    assert kernels.resolve("interpret") == "interpret" and kernels.resolve("xla") == "xla"
+    # no hidden state: every operator call names its backend, and nothing is read from the environment
     monkeypatch.setenv("JAXEMBED_KERNELS", "interpret")
-    assert kernels.resolve() == "interpret"
+    x = jnp.zeros((1, 4, 1, 16))
+    with pytest.raises(TypeError, match="backend"):
+        kernels.ssd_chunked(x, x[..., 0], jnp.ones(1), x, x, chunk_size=4)
     with pytest.raises(ValueError, match="kernels backend must be one of"):
         kernels.resolve("triton")
     if jax.default_backend() != "gpu":

@@ -3,10 +3,9 @@ len-1 of each sequence run alone, in every layout the converter reads."""
 
 import numpy as np
 import pytest
+from conftest import TOLERANCE, hf_last_hidden, make_hf_mamba2, rel_err, save_codestral_layout, save_mamba_ssm_layout
 
 import jaxembed
-from conftest import (TOLERANCE, hf_last_hidden, make_hf_mamba2, rel_err, save_codestral_layout,
-                      save_mamba_ssm_layout)
 
 CASES = {
     # n_groups, Q, state size and dt limits vary; lengths are odd and cross chunk boundaries
@@ -35,11 +34,11 @@ def test_transformers_layout(name, tmp_path):
     # all sequences in one right-padded batch, horizontal and vertical with V = Q, 2Q, 5Q
     for v in (None, q, 2 * q, 5 * q):
         out = emb.encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=v, batch_size=len(seqs))
-        errs = [rel_err(o, r) for o, r in zip(out, ref)]
+        errs = [rel_err(o, r) for o, r in zip(out, ref, strict=True)]
         assert max(errs) < TOLERANCE["float32"], (v, errs)
     # each sequence in a batch of its own
     out = emb.encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=2 * q, batch_size=1)
-    assert max(rel_err(o, r) for o, r in zip(out, ref)) < TOLERANCE["float32"]
+    assert max(rel_err(o, r) for o, r in zip(out, ref, strict=True)) < TOLERANCE["float32"]
 
 
 def test_causal_lm_layout_with_untied_head(tmp_path):
@@ -73,7 +72,7 @@ def test_mamba_ssm_layout(tied, d_has_hdim, tmp_path):
     ref = hf_last_hidden(model, seqs)
     for v in (None, 16, 32):
         out = emb.encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=v, batch_size=3)
-        assert max(rel_err(o, r) for o, r in zip(out, ref)) < TOLERANCE["float32"]
+        assert max(rel_err(o, r) for o, r in zip(out, ref, strict=True)) < TOLERANCE["float32"]
 
 
 def test_codestral_layout(tmp_path):
@@ -87,7 +86,7 @@ def test_codestral_layout(tmp_path):
     ref = hf_last_hidden(model, seqs)
     for v in (None, 256):
         out = emb.encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=v, batch_size=2)
-        assert max(rel_err(o, r) for o, r in zip(out, ref)) < TOLERANCE["float32"]
+        assert max(rel_err(o, r) for o, r in zip(out, ref, strict=True)) < TOLERANCE["float32"]
 
 
 def test_bfloat16_close_to_float32_reference(hf_model_dir):
@@ -98,4 +97,4 @@ def test_bfloat16_close_to_float32_reference(hf_model_dir):
     seqs = random_seqs(model.config.vocab_size, (9, 45), seed=5)
     out = emb.encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=16, batch_size=2)
     ref = hf_last_hidden(model, seqs)
-    assert max(rel_err(o, r) for o, r in zip(out, ref)) < TOLERANCE["bfloat16"]
+    assert max(rel_err(o, r) for o, r in zip(out, ref, strict=True)) < TOLERANCE["bfloat16"]

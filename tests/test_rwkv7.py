@@ -9,16 +9,22 @@ import jax
 import numpy as np
 import pytest
 import torch
+from conftest import TOLERANCE, rel_err
 from safetensors.torch import load_file, save_file
 
 import jaxembed
-from conftest import TOLERANCE, rel_err
 from jaxembed.config import ConfigError
 from jaxembed.convert import ConversionError, convert, read_checkpoint
 from jaxembed.models import rwkv7
 from jaxembed.ops import wkv7
-from jaxembed.testing.rwkv7 import (blinkdl_last_hidden, blinkdl_logits, fla_config, make_blinkdl_rwkv7,
-                                    save_blinkdl_layout, save_fla_layout)
+from jaxembed.testing.rwkv7 import (
+    blinkdl_last_hidden,
+    blinkdl_logits,
+    fla_config,
+    make_blinkdl_rwkv7,
+    save_blinkdl_layout,
+    save_fla_layout,
+)
 
 # float32 against a float64 loop: the observed round-off is below 1e-6 for every case here
 OPS_RTOL = 5e-6
@@ -139,8 +145,8 @@ def test_parity_with_blinkdl_package(blinkdl_model):
     # all sequences in one right-padded batch, horizontal and vertical with V = Q, 2Q, 5Q
     for v in (None, Q, 2 * Q, 5 * Q):
         out = emb.encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=v, batch_size=len(seqs))
-        errs = [rel_err(o, r) for o, r in zip(out, ref)]
-        print(f"V={v}: relative error per length", {n: f"{e:.1e}" for n, e in zip(LENGTHS, errs)})
+        errs = [rel_err(o, r) for o, r in zip(out, ref, strict=True)]
+        print(f"V={v}: relative error per length", {n: f"{e:.1e}" for n, e in zip(LENGTHS, errs, strict=True)})
         assert max(errs) < TOLERANCE["float32"], (v, errs)
     # the language-model head against the package's own logits
     logits = rwkv7.logits(emb.config, emb.params, out[2])
@@ -159,9 +165,9 @@ def test_fla_layout_and_pth_file_give_the_same_embeddings(blinkdl_model, tmp_pat
         out[name] = emb.encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=2 * Q, batch_size=4)
     assert jaxembed.load(tmp_path).config == jaxembed.load(path).config
     for name in ("fla", "blinkdl file"):
-        err = max(rel_err(o, r) for o, r in zip(out[name], out["blinkdl dir"]))
+        err = max(rel_err(o, r) for o, r in zip(out[name], out["blinkdl dir"], strict=True))
         print(f"{name} vs blinkdl dir: {err:.1e}; vs the rwkv package: "
-              f"{max(rel_err(o, r) for o, r in zip(out[name], ref)):.1e}")
+              f"{max(rel_err(o, r) for o, r in zip(out[name], ref, strict=True)):.1e}")
         assert err <= 1e-6
 
 
@@ -178,7 +184,7 @@ def test_convert_with_verify_both_layouts(blinkdl_model, tmp_path, capsys):
         assert manifest["config"]["architecture"] == "rwkv7" and f"({name} layout)" in manifest["source"]
         out = jaxembed.load(dst, chunk_size=Q).encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=2 * Q,
                                                          batch_size=4)
-        assert max(rel_err(o, r) for o, r in zip(out, ref)) < TOLERANCE["float32"]
+        assert max(rel_err(o, r) for o, r in zip(out, ref, strict=True)) < TOLERANCE["float32"]
     print("--verify worst relative error per layout:", worst)
 
 

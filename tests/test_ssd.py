@@ -5,8 +5,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import TOLERANCE, rel_err
+
 from jaxembed.ops import ssd
 
 
@@ -22,7 +22,8 @@ def reference(x, dt, A, B, C, D, dt_bias, dt_limit, h0):
         for head in range(h):
             grp = head // (h // g)
             decay = np.exp(dt[:, i, head] * A[head])[:, None, None]
-            state[:, head] = decay * state[:, head] + np.einsum("bp,bn->bpn", x[:, i, head] * dt[:, i, head, None], B[:, i, grp])
+            state[:, head] = decay * state[:, head] + np.einsum("bp,bn->bpn", x[:, i, head] * dt[:, i, head, None],
+                                                                B[:, i, grp])
             ys[:, i, head] = np.einsum("bpn,bn->bp", state[:, head], C[:, i, grp])
     Dp = D[:, None] if D.ndim == 1 else D
     return ys + Dp * x, state
@@ -30,7 +31,7 @@ def reference(x, dt, A, B, C, D, dt_bias, dt_limit, h0):
 
 def inputs(seed, b=2, t=37, h=4, p=8, g=2, n=16, d_per_channel=False, dt_shift=0.0):
     rng = np.random.default_rng(seed)
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
     return dict(
         x=f(b, t, h, p), dt=f(b, t, h) + dt_shift, A=-np.exp(f(h)), B=f(b, t, g, n), C=f(b, t, g, n),
         D=f(h, p) if d_per_channel else f(h), dt_bias=f(h), h0=f(b, h, p, n),
@@ -81,7 +82,8 @@ def test_bfloat16_inputs_keep_float32_state():
     y, final = ssd.chunked(bf["x"], v["dt"], v["A"], bf["B"], bf["C"], chunk_size=8, D=v["D"], dt_bias=v["dt_bias"],
                            initial_state=v["h0"])
     assert y.dtype == jnp.bfloat16 and final.dtype == jnp.float32
-    y_ref, final_ref = reference(*(np.asarray(bf[k], np.float32) if k in bf else v[k] for k in ("x", "dt", "A", "B", "C")),
+    y_ref, final_ref = reference(*(np.asarray(bf[k], np.float32) if k in bf else v[k]
+                                   for k in ("x", "dt", "A", "B", "C")),
                                  v["D"], v["dt_bias"], (0.0, math.inf), v["h0"])
     assert rel_err(y, y_ref) < TOLERANCE["bfloat16"]
     assert rel_err(final, final_ref) < TOLERANCE["bfloat16"]
@@ -92,10 +94,12 @@ def test_chunked_continues_from_its_own_state():
     v = inputs(seed=6, t=40)
     kw = dict(chunk_size=8, D=v["D"], dt_bias=v["dt_bias"])
     full, final = ssd.chunked(v["x"], v["dt"], v["A"], v["B"], v["C"], initial_state=v["h0"], **kw)
-    part = lambda s, h0: ssd.chunked(v["x"][:, s], v["dt"][:, s], v["A"], v["B"][:, s], v["C"][:, s], initial_state=h0, **kw)  # noqa: E731
+    part = lambda s, h0: ssd.chunked(v["x"][:, s], v["dt"][:, s], v["A"], v["B"][:, s], v["C"][:, s],
+                                     initial_state=h0, **kw)
     y1, h1 = part(slice(0, 24), v["h0"])
     y2, h2 = part(slice(24, 40), h1)
-    y_ref, final_ref = reference(v["x"], v["dt"], v["A"], v["B"], v["C"], v["D"], v["dt_bias"], (0.0, math.inf), v["h0"])
+    y_ref, final_ref = reference(v["x"], v["dt"], v["A"], v["B"], v["C"], v["D"], v["dt_bias"], (0.0, math.inf),
+                                 v["h0"])
     assert rel_err(np.concatenate([y1, y2], 1), y_ref) < TOLERANCE["float32"]
     assert rel_err(h2, final_ref) < TOLERANCE["float32"]
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import rel_err
 
 from jaxembed import models, schedule
 from jaxembed.config import Mamba2Config
@@ -17,8 +18,6 @@ from jaxembed.train.loss import info_nce
 from jaxembed.train.quant import nf4_levels, quantize_nf4
 from jaxembed.train.step import StepConfig, loss_and_grads
 from jaxembed.weights import linear
-
-from conftest import rel_err
 
 
 def test_nf4_matches_bitsandbytes():
@@ -31,7 +30,8 @@ def test_nf4_matches_bitsandbytes():
         w = torch.randn(*shape, generator=gen) * 0.05
         ours = quantize_nf4(jnp.asarray(w.numpy()))
         matrices = w.reshape(-1, *shape[-2:])
-        codes, absmax = np.asarray(ours.codes).reshape(len(matrices), -1), np.asarray(ours.absmax).reshape(len(matrices), -1)
+        codes = np.asarray(ours.codes).reshape(len(matrices), -1)
+        absmax = np.asarray(ours.absmax).reshape(len(matrices), -1)
         dense = np.asarray(ours.dense()).reshape(matrices.shape)
         for i, m in enumerate(matrices):
             q, state = bnb.quantize_4bit(m.contiguous(), blocksize=64, quant_type="nf4")
@@ -115,7 +115,8 @@ def test_grad_cache_equals_full_batch(architecture):
     loss_full, g_full = f(adapters, params, batch, StepConfig(cfg, lora, grad_cache_size=None, remat=False))
     loss_gc, g_gc = f(adapters, params, batch, StepConfig(cfg, lora, grad_cache_size=2, remat=True))
     assert abs(float(loss_gc) - float(loss_full)) <= 1e-6 * abs(float(loss_full))
-    for path, full, gc in zip(jax.tree_util.tree_leaves_with_path(g_full), jax.tree.leaves(g_full), jax.tree.leaves(g_gc)):
+    for path, full, gc in zip(jax.tree_util.tree_leaves_with_path(g_full), jax.tree.leaves(g_full),
+                              jax.tree.leaves(g_gc), strict=True):
         assert float(jnp.linalg.norm(full)) > 0, jax.tree_util.keystr(path[0])
         assert rel_err(gc, full) < 1e-5, jax.tree_util.keystr(path[0])
 

@@ -148,10 +148,10 @@ def test_plan_is_deterministic_and_order_independent():
     plan = plan_batches(sizes, 8, seed=3, epoch=1)
     again = plan_batches(dict(reversed(sizes.items())), 8, seed=3, epoch=1)
     assert [s for s, _ in plan] == [s for s, _ in again]
-    assert all(np.array_equal(x, y) for (_, x), (_, y) in zip(plan, again))
+    assert all(np.array_equal(x, y) for (_, x), (_, y) in zip(plan, again, strict=True))
     for other in (plan_batches(sizes, 8, seed=4, epoch=1), plan_batches(sizes, 8, seed=3, epoch=2)):
         assert [s for s, _ in other] != [s for s, _ in plan] or not all(
-            np.array_equal(x, y) for (_, x), (_, y) in zip(plan, other))
+            np.array_equal(x, y) for (_, x), (_, y) in zip(plan, other, strict=True))
     # Pinned: the same plan on every machine and in every process (PCG64 + SeedSequence, crc32 of the names,
     # never Python's salted hash()).
     assert "".join(s for s, _ in plan) == "babaaaababaaaaaab"

@@ -105,7 +105,7 @@ def test_two_processes_agree_with_one(workdir, reference):
     procs = [worker(workdir, config, "2x1", extra=("--coordinator", f"localhost:{port}", "--num-processes", "2",
                                                    "--process-id", str(i))) for i in range(2)]
     outputs = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, outputs):
+    for p, (_, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
     got = json.loads(outputs[0][0].strip().splitlines()[-1])["2x1"]
     assert rel(got, ref) < 1e-5, (got, ref.tolist())

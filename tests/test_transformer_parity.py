@@ -5,9 +5,9 @@ head_dim != d_model / n_heads, odd lengths in one right-padded batch, through th
 import numpy as np
 import pytest
 import torch
+from conftest import TOLERANCE, rel_err
 
 import jaxembed
-from conftest import TOLERANCE, rel_err
 
 LENGTHS = (1, 7, 37, 70)
 LONG = 1100  # past two attention blocks (ops.attention.BLOCK = 512): the blockwise path
@@ -47,7 +47,7 @@ def test_transformer_matches_transformers(name, tmp_path):
     with torch.no_grad():
         ref = [base(input_ids=torch.tensor([s])).last_hidden_state[0, -1].double().numpy() for s in seqs]
     out = emb.encode_ids(seqs, normalize_embeddings=False, batch_size=len(seqs))  # "auto": horizontal
-    errs = [rel_err(o, r) for o, r in zip(out, ref)]
+    errs = [rel_err(o, r) for o, r in zip(out, ref, strict=True)]
     assert max(errs) < TOLERANCE["float32"], errs
     if cls_name == "MistralModel":
         with pytest.raises(ValueError, match="run horizontally only"):
@@ -68,7 +68,7 @@ def test_long_input_through_blockwise_attention(tmp_path):
     with torch.no_grad():
         ref = [model(input_ids=torch.tensor([s])).last_hidden_state[0, -1].double().numpy() for s in seqs]
     out = emb.encode_ids(seqs, normalize_embeddings=False, batch_size=2)
-    errs = [rel_err(o, r) for o, r in zip(out, ref)]
+    errs = [rel_err(o, r) for o, r in zip(out, ref, strict=True)]
     assert max(errs) < TOLERANCE["float32"], errs
 
 
@@ -106,7 +106,7 @@ def test_blockwise_attention_against_the_definition(t, window, block):
     assert rel_err(out, ref) < TOLERANCE["float32"]
     _, grads = value_and_grad(blockwise)(q, k, v)
     _, dense = value_and_grad(lambda q, k, v: attention.dense(q, k, v, window))(q, k, v)
-    for g, d in zip(grads, dense):
+    for g, d in zip(grads, dense, strict=True):
         g, d = np.asarray(g), np.asarray(d)
         assert np.isfinite(g).all()
         if not np.abs(d).any():  # window 1: each token sees only itself, so q and k get no gradient

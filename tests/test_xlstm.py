@@ -75,7 +75,8 @@ def hf_cell(x, kernel: str, chunk_size=None):
 def assert_cell_matches(out, ref):
     (h, state), (h_ref, state_ref) = out, ref
     assert np.all(np.isfinite(h)) and all(np.all(np.isfinite(s)) for s in state)
-    errs = dict(zip(("h", "C", "n", "m"), [rel_err(h, h_ref)] + [rel_err(s, r) for s, r in zip(state, state_ref)]))
+    state_errs = [rel_err(s, r) for s, r in zip(state, state_ref, strict=True)]
+    errs = dict(zip(("h", "C", "n", "m"), [rel_err(h, h_ref)] + state_errs, strict=True))
     print("relative errors", {k: f"{e:.1e}" for k, e in errs.items()})
     assert max(errs.values()) < TOL, errs
 
@@ -181,7 +182,7 @@ def test_encode_ids_matches_transformers(name, tmp_path):
     ref = hf_xlstm_last_hidden(model, seqs)
     for v in (None, q, 2 * q, 5 * q):
         out = emb.encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=v, batch_size=len(seqs))
-        errs = [rel_err(o, r) for o, r in zip(out, ref)]
+        errs = [rel_err(o, r) for o, r in zip(out, ref, strict=True)]
         print(f"{name} V={v}: worst relative error {max(errs):.2e}")
         assert max(errs) < TOL, (v, errs)
     if CASES[name].get("causal_lm"):  # the LM head with its logit soft cap, on the last token of the longest

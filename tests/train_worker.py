@@ -32,7 +32,9 @@ def main(argv=None) -> int:
 
     cfg = load_train_config(args.config)
     if args.coordinator:
-        cfg = dataclasses.replace(cfg, distributed=DistributedSection(args.coordinator, args.num_processes, args.process_id))
+        cfg = dataclasses.replace(
+            cfg, distributed=DistributedSection(args.coordinator, args.num_processes, args.process_id)
+        )
         initialize_distributed(cfg)
     losses = {}
     for mesh in args.mesh:

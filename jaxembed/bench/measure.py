@@ -178,6 +178,17 @@ def parse_int_list(text: str) -> list[int]:
     return [parse_length(part) for part in text.split(",") if part.strip()]
 
 
+def text_table(header: list, rows: list[list]) -> str:
+    """A plain-text table: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths, strict=True)),
+             "  ".join("-" * w for w in widths)]
+    for r in rows:
+        lines.append("  ".join(str(x).rjust(w) if i else str(x).ljust(w)
+                               for i, (x, w) in enumerate(zip(r, widths, strict=True))))
+    return "\n".join(lines)
+
+
 def fmt_len(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 

@@ -50,7 +50,7 @@ def figure(rows: list[dict], sweep, path: Path, subtitle: str = "") -> Path:
             if not ok:
                 t_ax.plot([], [], style, color=color, marker="o", label=label)
                 continue
-            x, mean, lo, hi, mem = zip(*ok)
+            x, mean, lo, hi, mem = zip(*ok, strict=True)
             t_ax.plot(x, mean, style, color=color, marker="o", ms=3.5, label=label)
             t_ax.fill_between(x, lo, hi, color=color, alpha=0.2, linewidth=0)
             m_ax.plot(x, mem, style, color=color, marker="o", ms=3.5, label=label)

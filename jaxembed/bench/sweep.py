@@ -36,6 +36,7 @@ from pathlib import Path
 import yaml
 
 from jaxembed.bench import measure
+from jaxembed.errors import SpecError
 
 SPEC_DIR = Path(__file__).resolve().parents[2] / "configs" / "bench"
 PLATFORMS = ("cpu", "gpu")
@@ -43,10 +44,6 @@ CSV_FIELDS = ["sweep", "platform", "device", "series", "architecture", "config",
               "chunk_size", "vertical_chunk_size", "status", "mean_s", "min_s", "max_s", "times_s", "tokens_per_s",
               "memory_mib", "memory_kind", "peak_rss_mib", "run_peak_rss_mib", "peak_device_mib", "weights_mib",
               "first_call_s", "build_s", "wall_s", "repeats", "threads", "error"]
-
-
-class SpecError(ValueError):
-    """A sweep spec that names something missing or misshaped."""
 
 
 @dataclass(frozen=True)
@@ -263,7 +260,8 @@ def machine_line(rows: list[dict], platform: str) -> str:
         device = next((r["device"] for r in rows if r.get("device")), "GPU")
         return f"{device}; jax {jax.__version__}, Python {host.python_version()}"
     threads = next((r["threads"] for r in rows if r.get("threads")), "?")
-    return (f"{measure.cpu_model()}, {threads} threads, {measure.total_memory_gib():.0f} GiB RAM; jax {jax.__version__}, "
+    return (f"{measure.cpu_model()}, {threads} threads, {measure.total_memory_gib():.0f} GiB RAM; "
+            f"jax {jax.__version__}, "
             f"Python {host.python_version()}")
 
 

@@ -40,14 +40,11 @@ def device_params(cfg, dtype: str, seed: int, device):
     from jaxembed import models
 
     family = models.family(cfg)
-    keep_float32 = getattr(family, "FLOAT32_PARAMS", ())
-    target = jnp.dtype(dtype)
     one_layer = dataclasses.replace(cfg, n_layers=1)
 
     def build(key):
         def place(path, leaf):
-            if jnp.issubdtype(leaf.dtype, jnp.floating):
-                leaf = leaf.astype(jnp.float32 if str(getattr(path[-1], "key", "")) in keep_float32 else target)
+            leaf = leaf.astype(models.param_dtype(family, str(getattr(path[-1], "key", "")), leaf.dtype, dtype))
             if str(getattr(path[0], "key", "")) == "layers":
                 leaf = jnp.broadcast_to(leaf, (cfg.n_layers, *leaf.shape[1:]))
             return leaf
@@ -66,7 +63,7 @@ def device_params(cfg, dtype: str, seed: int, device):
     leaves = [None] * len(shapes)
     for group in groups:
         built = jax.jit(lambda k, group=tuple(group): [jax.tree.leaves(build(k))[i] for i in group])(key)
-        for i, leaf in zip(group, built):
+        for i, leaf in zip(group, built, strict=True):
             leaves[i] = leaf
     return jax.tree.unflatten(treedef, leaves)
 

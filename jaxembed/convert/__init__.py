@@ -54,13 +54,10 @@ def detect(directory: Path):
 
 
 def _dtype_rule(config, dtype):
-    keep_float32 = getattr(models.family(config), "FLOAT32_PARAMS", ())
-    target = None if dtype is None else np.dtype(dtype)
+    family = models.family(config)
 
     def dtype_for(path: str, source_dtype):
-        if path.rsplit("/", 1)[-1] in keep_float32:
-            return np.dtype(np.float32)
-        return target or source_dtype
+        return models.param_dtype(family, path.rsplit("/", 1)[-1], source_dtype, dtype)
 
     return dtype_for
 

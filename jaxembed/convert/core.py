@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from functools import partial
 from collections.abc import Callable, Mapping
+from functools import partial
 
 import jax
 import jax.numpy as jnp

@@ -14,7 +14,6 @@ Layouts (all share the mixer's parameter names; only prefixes and config files d
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 from jaxembed.config import Mamba2Config
@@ -119,7 +118,8 @@ def _transformers_config(path: Path) -> Mamba2Config:
         raise ConversionError(f"{origin}: hidden_act={hf.hidden_act!r}; only Mamba2 with SiLU is supported")
     if hf.hidden_size * hf.expand != hf.num_heads * hf.head_dim:
         raise ConversionError(
-            f"{origin}: hidden_size*expand={hf.hidden_size * hf.expand} != num_heads*head_dim={hf.num_heads * hf.head_dim}"
+            f"{origin}: hidden_size*expand={hf.hidden_size * hf.expand} "
+            f"!= num_heads*head_dim={hf.num_heads * hf.head_dim}"
         )
     eos = hf.eos_token_id[0] if isinstance(hf.eos_token_id, list) else hf.eos_token_id
     return Mamba2Config(
@@ -139,7 +139,8 @@ def _codestral_config(raw: dict, origin: str) -> Mamba2Config:
     as_mamba_ssm = {
         "d_model": raw["dim"], "n_layer": raw["n_layers"], "vocab_size": raw["vocab_size"],
         "ssm_cfg": {"ngroups": raw["n_groups"], "layer": "Mamba2"},
-        **{k: raw[k] for k in ("rms_norm", "residual_in_fp32", "pad_vocab_size_multiple", "tie_embeddings") if k in raw},
+        **{k: raw[k] for k in ("rms_norm", "residual_in_fp32", "pad_vocab_size_multiple", "tie_embeddings")
+           if k in raw},
     }
     return _mamba_ssm_config(as_mamba_ssm, origin)
 

@@ -14,10 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-class ConversionError(ValueError):
-    """The source is not a checkpoint we can read, or its tensors do not match the model."""
-
+from jaxembed.errors import ConversionError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

@@ -58,7 +58,9 @@ def _config(raw: dict, origin: str) -> TransformerConfig:
             raise ConversionError(f"{origin}: hidden_act={raw['hidden_act']!r}; only SiLU (SwiGLU) is supported")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ConversionError(f"{origin}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
+            raise ConversionError(
+                f"{origin}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported"
+            )
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         window = raw.get("sliding_window")
         if model_type == "qwen2":

@@ -19,7 +19,6 @@ import numpy as np
 from jaxembed.convert.sources import ConversionError, TensorSource
 from jaxembed.schedule import embed
 
-
 TOLERANCE = 1e-4  # relative, float32 against float32: both sides hold the same (possibly rounded) weights
 
 
@@ -96,8 +95,10 @@ def verify(checkpoint, *, lengths=(7,), seed: int = 0) -> tuple[float, float]:
     for n in (*lengths, 2 * q + 3):
         ids = rng.integers(0, cfg.vocab_size, (1, n))
         ref = np.asarray(reference(ids), np.float64)
-        for v in (None, q) if getattr(checkpoint.config_family, "VERTICAL", True) else (None,):
-            out = np.asarray(run(params, cfg, jnp.asarray(ids), jnp.array([n]), vertical_chunk_size=v, normalize=False))[0]
+        for v in (None, q) if checkpoint.config_family.VERTICAL else (None,):
+            out = np.asarray(
+                run(params, cfg, jnp.asarray(ids), jnp.array([n]), vertical_chunk_size=v, normalize=False)
+            )[0]
             err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
             mode = "horizontal" if v is None else f"vertical V={v}"
             print(f"  length {n:6d}  {mode:>16s}  relative error {err:.2e}")

@@ -61,7 +61,8 @@ SINGLE = [
 
 
 def _rows(fused: str, part: str, start: int, size: int, total: int, *, weight: bool) -> Hook:
-    """Rows [start, start+size) of a fused torch Linear's weight [total, d] (transposed to [d, size]) or bias [total]."""
+    """Rows [start, start+size) of a fused torch Linear's weight [total, d] (transposed to [d, size])
+    or bias [total]."""
     if weight:
         return Hook(
             f"{fused}[{start}:{start + size}]ᵀ ({part})",
@@ -90,7 +91,9 @@ def _fused_rules(cfg: XLSTMConfig) -> list[Rule]:
         fused = key.rsplit(".", 1)[-1]
         for name, start, size in parts:
             rules.append(Rule(f"layers/{name}", key + ".weight", _rows(fused, name, start, size, total, weight=True)))
-            rules.append(Rule(f"layers/{name}_bias", key + ".bias", _rows(fused, name, start, size, total, weight=False)))
+            rules.append(
+                Rule(f"layers/{name}_bias", key + ".bias", _rows(fused, name, start, size, total, weight=False))
+            )
     return rules
 
 

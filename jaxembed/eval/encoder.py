@@ -105,8 +105,9 @@ class MtebEncoder(AbsEncoder):
         prefix, source = self.prefix(task_metadata, role)
         with warnings.catch_warnings():  # cuts are counted per call (self.calls) and reported once
             warnings.simplefilter("ignore", UserWarning)
-            out = self.model.encode(texts, prompt=prefix or None, max_length=self.max_length, batch_size=self.batch_size,
-                                    vertical_chunk_size=self.vertical_chunk_size, show_progress_bar=self.show_progress_bar)
+            out = self.model.encode(texts, prompt=prefix or None, max_length=self.max_length,
+                                    batch_size=self.batch_size, vertical_chunk_size=self.vertical_chunk_size,
+                                    show_progress_bar=self.show_progress_bar)
         self.calls.append(EncodeCall(task_metadata.name, task_metadata.type, role, prefix, source, len(texts),
                                      self.model.last_stats.get("truncated", 0)))
         return out

@@ -128,7 +128,8 @@ def stdlib_tasks(rows: list[dict], *, prefix: str = "Stdlib") -> list:
 
         def load_data(self, **kwargs):
             self.dataset = DatasetDict({
-                split: Dataset.from_dict({"text": [r["positive"] for r in part], "label": [label[r["module"]] for r in part]})
+                split: Dataset.from_dict({"text": [r["positive"] for r in part],
+                                          "label": [label[r["module"]] for r in part]})
                 for split, part in (("train", train), ("test", test))})
             self.data_loaded = True
 
@@ -150,7 +151,8 @@ def stdlib_tasks(rows: list[dict], *, prefix: str = "Stdlib") -> list:
 
         def load_data(self, **kwargs):
             self.dataset = DatasetDict({"test": Dataset.from_dict(
-                {"sentences": [[r["positive"] for r in cls_rows]], "labels": [[label[r["module"]] for r in cls_rows]]})})
+                {"sentences": [[r["positive"] for r in cls_rows]],
+                 "labels": [[label[r["module"]] for r in cls_rows]]})})
             self.data_loaded = True
 
     class Summarization(AbsTaskSummarization):
@@ -189,4 +191,5 @@ def long_document_task(queries: list[str], documents: list[str], name: str = "Lo
         corpus=Dataset.from_list([{"id": f"d{i}", "text": d, "title": ""} for i, d in enumerate(documents)]),
         queries=Dataset.from_list([{"id": f"q{i}", "text": q} for i, q in enumerate(queries)]),
         relevant_docs={f"q{i}": {f"d{i}": 1} for i in range(len(queries))}, top_ranked=None)
-    return _retrieval_task(_metadata(name, "Retrieval", "ndcg_at_10", "Long-document retrieval from local text."), split)()
+    metadata = _metadata(name, "Retrieval", "ndcg_at_10", "Long-document retrieval from local text.")
+    return _retrieval_task(metadata, split)()

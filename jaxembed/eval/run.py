@@ -11,15 +11,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jaxembed.errors import MissingDataError
 from jaxembed.eval.summary import aggregate, markdown_table
 
 LONGEMBED = "LongEmbed"
 LONGEMBED_MAX_TOKENS = 32768  # the paper's LongEmbed setting (Mistral's context)
 MTEB_MAX_TOKENS = 512  # the paper's MTEB setting, after E5
-
-
-class MissingDataError(RuntimeError):
-    """A task's dataset is neither local nor reachable."""
 
 
 def resolve_tasks(benchmark: str | None, tasks: str | None, local_tasks: str | None):
@@ -66,7 +63,8 @@ def check_data(tasks) -> None:
         except (ConnectionError, OSError) as err:  # OSError covers datasets' DatasetNotFoundError
             d = task.metadata.dataset or {}
             config = f", config {d['name']!r}" if d.get("name") else ""
-            missing.append(f"  {task.metadata.name}: dataset {d.get('path')!r} at revision {d.get('revision')!r}{config} "
+            missing.append(f"  {task.metadata.name}: dataset {d.get('path')!r} "
+                           f"at revision {d.get('revision')!r}{config} "
                            f"({type(err).__name__}: {str(err).splitlines()[0][:160]})")
     if missing:
         raise MissingDataError(
@@ -88,7 +86,8 @@ def write_summary(model_name: str, scores, benchmark: str | None, output: Path, 
     calls = [c.__dict__ for c in encoder.calls]
     (output / "summary.md").write_text(f"# {model_name}: {benchmark or 'selected tasks'}\n\n{table}")
     (output / "summary.json").write_text(json.dumps(
-        {"model": model_name, "benchmark": benchmark, "scores": {k: {"type": t, "main_score": s} for k, (t, s) in scores.items()},
+        {"model": model_name, "benchmark": benchmark,
+         "scores": {k: {"type": t, "main_score": s} for k, (t, s) in scores.items()},
          **aggregate(scores), "encode_calls": calls}, indent=2))
     return table
 

@@ -24,7 +24,7 @@ LONGEMBED_TASKS = {
 
 def _row(columns, values):
     *per_column, task_mean, type_mean = values if len(values) == len(columns) + 2 else (*values, None)
-    return {"columns": dict(zip(columns, per_column)), "task_mean": task_mean, "type_mean": type_mean}
+    return {"columns": dict(zip(columns, per_column, strict=True)), "task_mean": task_mean, "type_mean": type_mean}
 
 
 _MULTI = ("Bit.M.", "Cls.", "Clust.", "I.Rera.", "M.Cls.", "P.Cls.", "Rera.", "Retr.", "STS")

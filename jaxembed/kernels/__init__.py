@@ -6,23 +6,19 @@
     "interpret" the same kernel run by Pallas' interpreter (any platform; slow, for tests)
     "xla"     the XLA chunked form
 
-The choice is made at trace time, from (first that is set) the `backend=` argument, the innermost
-`with jaxembed.kernels.use(...)`, and the JAXEMBED_KERNELS environment variable; default "auto".
-`schedule.embed` / `forward` and `Embedder(kernels=...)` take it as a static argument, so a
-compiled program never silently keeps an old choice.
+Every operator call names its backend (`backend=`, required): the models pass their
+`jaxembed.runtime.Runtime`'s `kernels`, which `schedule.embed` / `forward` and
+`Embedder(kernels=...)` take as a static argument, so a compiled program never silently keeps an
+old choice and nothing is read from module state or the environment while JAX traces.
 """
 
 from __future__ import annotations
-
-import contextlib
-import os
 
 import jax
 
 from jaxembed.kernels.common import BlockSizes, heuristic
 
 BACKENDS = ("auto", "pallas", "interpret", "xla")
-_stack: list[str] = []
 
 
 def check_backend(backend: str) -> str:
@@ -31,10 +27,8 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def resolve(backend: str | None = None) -> str:
-    """The backend that runs now: 'pallas', 'interpret' or 'xla'."""
-    if backend is None:
-        backend = _stack[-1] if _stack else os.environ.get("JAXEMBED_KERNELS", "auto")
+def resolve(backend: str) -> str:
+    """What `backend` runs on this platform: 'pallas', 'interpret' or 'xla'."""
     check_backend(backend)
     if backend == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "xla"
@@ -44,20 +38,10 @@ def resolve(backend: str | None = None) -> str:
     return backend
 
 
-@contextlib.contextmanager
-def use(backend: str):
-    """Run the operators traced inside this block with `backend`."""
-    _stack.append(check_backend(backend))
-    try:
-        yield
-    finally:
-        _stack.pop()
-
-
 def _dispatch(name: str, form: str = "chunked"):
     import importlib
 
-    def op(*args, backend: str | None = None, blocks: BlockSizes | None = None, **kwargs):
+    def op(*args, backend: str, blocks: BlockSizes | None = None, **kwargs):
         chosen = resolve(backend)
         if chosen == "xla":
             return getattr(importlib.import_module(f"jaxembed.ops.{name}"), form)(*args, **kwargs)
@@ -74,4 +58,5 @@ ssd_chunked_xbc = _dispatch("ssd", "chunked_xbc")
 wkv7_chunked = _dispatch("wkv7")
 mlstm_chunked = _dispatch("mlstm")
 
-__all__ = ["BACKENDS", "BlockSizes", "heuristic", "resolve", "use", "ssd_chunked", "ssd_chunked_xbc", "wkv7_chunked", "mlstm_chunked"]
+__all__ = ["BACKENDS", "BlockSizes", "heuristic", "resolve", "ssd_chunked", "ssd_chunked_xbc", "wkv7_chunked",
+           "mlstm_chunked"]

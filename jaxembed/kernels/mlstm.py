@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxembed.errors import check_positive_int
 from jaxembed.kernels import common
 from jaxembed.ops import mlstm as ref
 
@@ -117,8 +118,7 @@ def chunked(q, k, v, i, f, *, chunk_size, initial_state=None, eps=ref.EPS, block
     """`ops.mlstm.chunked` computed by the Pallas kernel; gradients are `jax.vjp` of the reference
     (run with chunk_size). Returns (h [b, t, h, v] in v's dtype, final State)."""
     state = ref._check(q, k, v, i, f, initial_state)
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_positive_int("chunk_size", chunk_size)
     if q.shape[1] == 0:
         raise ValueError("chunked needs at least one token (t >= 1)")
     dv = v.shape[-1]

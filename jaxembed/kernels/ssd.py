@@ -28,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxembed.kernels import common
+from jaxembed.ops import common as ops_common
 from jaxembed.ops import ssd as ref
 
 F32 = jnp.float32
@@ -186,11 +187,7 @@ def chunked_xbc(xbc, dt, A, *, heads: int, head_dim: int, groups: int, state_siz
                          f"and dt [b, t, h] = [{b}, {t}, {heads}]; got xbc {xbc.shape}, dt {dt.shape}")
     if heads % groups:
         raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups})")
-    state = initial_state
-    if state is None:
-        state = jnp.zeros((b, heads, head_dim, state_size), F32)
-    elif state.shape != (b, heads, head_dim, state_size):
-        raise ValueError(f"initial_state has shape {state.shape}, expected {(b, heads, head_dim, state_size)}")
+    state = ops_common.initial_state(initial_state, (b, heads, head_dim, state_size))
     D = jnp.zeros((heads,), F32) if D is None else D
     dt_bias = jnp.zeros((heads,), F32) if dt_bias is None else dt_bias
     if blocks is None:
@@ -198,4 +195,4 @@ def chunked_xbc(xbc, dt, A, *, heads: int, head_dim: int, groups: int, state_siz
     blocks = common.check_blocks(blocks, head_dim)
     f = _differentiable_xbc(chunk_size, (heads, head_dim, groups, state_size), tuple(float(v) for v in dt_limit),
                             blocks, bool(interpret))
-    return f(xbc, dt, A, D, dt_bias, state.astype(F32))
+    return f(xbc, dt, A, D, dt_bias, state)

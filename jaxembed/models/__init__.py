@@ -1,21 +1,22 @@
-"""Model families. Each module supplies the same few functions, which is all the scheduler uses:
+"""Model families and their contract.
 
-    Config                                               its frozen config dataclass
-    init_state(cfg, batch) -> State                      one layer's zero state (a NamedTuple)
-    layer(cfg, params_l, stream, state_l, *, chunk_size, index) -> (stream, state_l),
-                                                         continuing from state_l; index is the layer number
-    embed_tokens(cfg, params, ids) -> stream, final_norm(cfg, params, hidden),
-    param_shapes(cfg), init_params(cfg, key), FLOAT32_PARAMS, LINEAR_PARAMS (the x @ W layer matrices)
+A family is a module that provides everything in `Family` below, which is all the scheduler,
+the embedder, the converter, the trainer and the benchmarks use. Every family states every
+member (no defaults read by `getattr`); `by_name` checks that on import.
 
-`VERTICAL = False` where a family has no constant-size state (attention): it runs horizontally only.
-And optionally `hidden(stream)`: the residual stream [b, t, d] when a family carries more than
-that between layers (RWKV7 carries the first layer's values too); default: the stream itself.
+Adding a family: one model module here (the members below; its `Config` dataclass with
+`architecture`), one conversion table in `jaxembed/convert/`, one entry in `_FAMILIES`, and a
+parity test against a reference this project did not write (docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any, ClassVar, Protocol
+
+import jax.numpy as jnp
+import numpy as np
 
 _FAMILIES: dict[str, str] = {
     "mamba2": "jaxembed.models.mamba2",
@@ -25,16 +26,47 @@ _FAMILIES: dict[str, str] = {
 }
 
 
+class Family(Protocol):
+    """The members of a family module (shapes: b batch, t time, d model width)."""
+
+    Config: ClassVar[type]  # frozen, hashable config dataclass with `architecture`, `chunk_size`, `hidden_size`
+    VERTICAL: ClassVar[bool]  # False where there is no constant-size state (attention): horizontal only
+    FLOAT32_PARAMS: ClassVar[tuple[str, ...]]  # leaf names kept float32 when the model is cast (decays)
+    LINEAR_PARAMS: ClassVar[tuple[str, ...]]  # layer matrices used as x @ W [d_in, d_out] (LoRA / NF4 targets)
+
+    def param_shapes(self, cfg) -> dict: ...  # every param's shape; layer leaves have a leading [n_layers]
+    def init_params(self, cfg, key, dtype=...) -> dict: ...
+    def init_state(self, cfg, batch: int) -> Any: ...  # one layer's zero state (a NamedTuple)
+
+    def layer(self, cfg, params_l: dict, stream, state_l, *, runtime, index) -> tuple[Any, Any]:
+        """One layer on the stream, continuing from state_l for any number of tokens; runtime is the
+        `jaxembed.runtime.Runtime` (Q, kernels backend, remat), index the layer number."""
+
+    def embed_tokens(self, cfg, params: dict, ids) -> Any: ...  # ids [b, t] -> the stream
+    def hidden(self, stream) -> Any: ...  # the residual [b, t, d] inside what is carried between layers
+    def final_norm(self, cfg, params: dict, x) -> Any: ...  # [.., d] -> [.., d] float32
+    def logits(self, cfg, params: dict, hidden) -> Any: ...  # [.., d] -> [.., vocab] float32
+
+
+_MEMBERS = ("Config", "VERTICAL", "FLOAT32_PARAMS", "LINEAR_PARAMS", "param_shapes", "init_params", "init_state",
+            "layer", "embed_tokens", "hidden", "final_norm", "logits")
+
+
 def names() -> list[str]:
     return sorted(_FAMILIES)
 
 
 def by_name(architecture: str) -> ModuleType:
-    """The module implementing `architecture` (imported on first use)."""
+    """The module implementing `architecture` (imported on first use), checked against `Family`."""
     try:
-        return importlib.import_module(_FAMILIES[architecture])
+        module = importlib.import_module(_FAMILIES[architecture])
     except KeyError:
         raise ValueError(f"no model family for architecture {architecture!r}; supported: {names()}") from None
+    missing = [m for m in _MEMBERS if not hasattr(module, m)]
+    if missing:
+        raise TypeError(f"model family {module.__name__} lacks {missing} of the family contract "
+                        "(jaxembed.models.Family)")
+    return module
 
 
 def family(cfg) -> ModuleType:
@@ -42,6 +74,38 @@ def family(cfg) -> ModuleType:
     return by_name(cfg.architecture)
 
 
+def param_dtype(module: ModuleType, name: str, source_dtype, dtype=None) -> np.dtype:
+    """The one casting rule (the embedder, the converter, the trainer and the benchmarks follow it):
+    a param leaf called `name` of `source_dtype`, cast to `dtype`, becomes: itself if it is not
+    floating; float32 if it is one of the family's FLOAT32_PARAMS (decays, whose precision the
+    long recurrences need); else `dtype` (None: as stored)."""
+    source_dtype = np.dtype(source_dtype)
+    if not jnp.issubdtype(source_dtype, jnp.floating):  # jnp's: bfloat16 is floating too
+        return source_dtype
+    if name in module.FLOAT32_PARAMS:
+        return np.dtype(np.float32)
+    return source_dtype if dtype is None else np.dtype(dtype)
+
+
+def cast_params(module: ModuleType, params, dtype=None):
+    """Params as jax arrays cast by `param_dtype`; dtype None keeps them as stored, except that
+    float16 (which overflows in long recurrences) runs in float32."""
+    import jax
+
+    if dtype is not None:
+        dtype = jnp.dtype(dtype)
+        if dtype not in (jnp.float32, jnp.bfloat16):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+
+    def cast(path, leaf):
+        arr = jnp.asarray(leaf)
+        if dtype is None and arr.dtype == jnp.float16:
+            return arr.astype(jnp.float32)
+        return arr.astype(param_dtype(module, str(getattr(path[-1], "key", "")), arr.dtype, dtype))
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def hidden(cfg, stream):
     """The residual stream [b, t, d] inside whatever the family carries between layers."""
-    return getattr(family(cfg), "hidden", lambda s: s)(stream)
+    return family(cfg).hidden(stream)

@@ -20,17 +20,93 @@ The per-layer state is the conv state (the last k-1 conv inputs) plus the SSM st
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxembed.config import Mamba2Config
 from jaxembed import kernels, weights
-from jaxembed.ops import ssd
+from jaxembed.errors import ConfigError, check_positive_int
+from jaxembed.runtime import Runtime
 
 F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba2Config:
+    """Mamba2 (SSD) language model, as in mamba_ssm's `Mamba2` block and transformers' `Mamba2Model`.
+
+    Dimension letters used throughout: d = d_model, e = d_inner = expand * d_model,
+    h = n_heads, p = head_dim, g = n_groups, n = d_state, k = d_conv.
+    """
+
+    architecture: ClassVar[str] = "mamba2"
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    d_state: int = 128
+    d_conv: int = 4
+    expand: int = 2
+    head_dim: int = 64
+    n_groups: int = 1
+    chunk_size: int = 256
+    norm_eps: float = 1e-5
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    residual_in_fp32: bool = True
+    tie_embeddings: bool = False
+    d_has_hdim: bool = False  # mamba_ssm's D_has_hdim: D is [h, p] instead of [h]
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "d_state", "d_conv", "expand", "head_dim", "n_groups",
+                     "chunk_size"):
+            check_positive_int(name, getattr(self, name), error=ConfigError)
+            object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints -> int: hashable, JSON
+        if len(self.dt_limit) != 2:
+            raise ConfigError(f"dt_limit must be (low, high), got {self.dt_limit!r}")
+        object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
+        if self.d_inner % self.head_dim:
+            raise ConfigError(
+                f"d_inner = expand * d_model = {self.d_inner} is not a multiple of head_dim = {self.head_dim}"
+            )
+        if self.n_heads % self.n_groups:
+            raise ConfigError(f"n_heads = {self.n_heads} is not a multiple of n_groups = {self.n_groups}")
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.d_model
+
+    @property
+    def n_heads(self) -> int:
+        return self.d_inner // self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels through the causal conv: x, B and C."""
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+    @property
+    def d_in_proj(self) -> int:
+        """in_proj output: z, xBC, dt."""
+        return self.d_inner + self.conv_dim + self.n_heads
+
+    @property
+    def hidden_size(self) -> int:
+        """Embedding dimension."""
+        return self.d_model
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"architecture": self.architecture, **dataclasses.asdict(self)}
+        out["dt_limit"] = list(self.dt_limit)
+        return out
+
+
 Config = Mamba2Config
 
 
@@ -68,6 +144,8 @@ def param_shapes(cfg: Mamba2Config) -> dict:
 
 # Decay and skip parameters stay float32 when the rest of the model is cast to bfloat16.
 FLOAT32_PARAMS = ("dt_bias", "A_log", "D")
+
+VERTICAL = True  # a constant-size state per layer: vertically chunked inference applies
 
 
 # Layer matrices used as x @ W [d_in, d_out]: the "all linear layers" that LoRA adapts and NF4 quantises.
@@ -155,7 +233,7 @@ def causal_conv(xbc, conv_state, weight, bias, out_dtype=F32):
     return silu(out).astype(out_dtype), new_state
 
 
-def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, chunk_size: int):
+def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, runtime: Runtime):
     """The Mamba2 mixer on normalised input u [b, t, d]. Returns (out [b, t, d] in u's dtype, new state).
 
     Activations between the ops are in u's dtype, as in mamba_ssm's bfloat16 modules (the
@@ -171,19 +249,21 @@ def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, chunk_size: int):
     y, ssm_state = kernels.ssd_chunked_xbc(
         xbc, dt, -jnp.exp(p["A_log"].astype(F32)),
         heads=h, head_dim=cfg.head_dim, groups=cfg.n_groups, state_size=cfg.d_state,
-        chunk_size=chunk_size, D=p["D"], dt_bias=p["dt_bias"], dt_limit=cfg.dt_limit, initial_state=state.ssm,
+        chunk_size=runtime.chunk_size, backend=runtime.kernels, D=p["D"], dt_bias=p["dt_bias"], dt_limit=cfg.dt_limit,
+        initial_state=state.ssm,
     )
     # grouped gated RMSNorm, gate before norm (mamba_ssm's norm_before_gate=False)
     y = y.reshape(b, t, e).astype(F32) * silu(z.astype(F32))
     y = rms_norm(y, p["mixer_norm"], cfg.norm_eps, group_size=e // cfg.n_groups)
-    return _linear(y.astype(u.dtype), p["out_proj"], p.get("out_proj_bias"), out_dtype=u.dtype), State(conv_state, ssm_state)
+    out = _linear(y.astype(u.dtype), p["out_proj"], p.get("out_proj_bias"), out_dtype=u.dtype)
+    return out, State(conv_state, ssm_state)
 
 
-def layer(cfg: Mamba2Config, p: dict, x, state: State, *, chunk_size: int, index=None):
+def layer(cfg: Mamba2Config, p: dict, x, state: State, *, runtime: Runtime, index=None):
     """One residual block: x + mixer(norm(x)). x [b, t, d] is the residual stream."""
     dtype = p["in_proj"].dtype
     u = rms_norm(x, p["norm"], cfg.norm_eps).astype(dtype)
-    out, state = mixer(cfg, p, u, state, chunk_size=chunk_size)
+    out, state = mixer(cfg, p, u, state, runtime=runtime)
     residual_dtype = F32 if cfg.residual_in_fp32 else dtype
     return (x.astype(residual_dtype) + out.astype(residual_dtype)).astype(residual_dtype), state
 
@@ -194,6 +274,11 @@ def embed_tokens(cfg: Mamba2Config, params: dict, ids):
     return x.astype(F32) if cfg.residual_in_fp32 else x
 
 
+def hidden(stream):
+    """The stream is the residual [b, t, d] itself."""
+    return stream
+
+
 def final_norm(cfg: Mamba2Config, params: dict, x):
     """Final RMSNorm of the residual stream (float32 out)."""
     return rms_norm(x, params["norm_f"], cfg.norm_eps)
@@ -201,5 +286,4 @@ def final_norm(cfg: Mamba2Config, params: dict, x):
 
 def logits(cfg: Mamba2Config, params: dict, hidden):
     """Language-model head, tied to the embedding or not. hidden [..., d] -> [..., vocab]."""
-    head = params["embedding"] if cfg.tie_embeddings else params["lm_head"]
-    return jnp.einsum("...d,vd->...v", hidden.astype(head.dtype), head, preferred_element_type=F32)
+    return weights.lm_head(hidden, params["embedding"] if cfg.tie_embeddings else params["lm_head"])

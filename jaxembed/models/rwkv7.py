@@ -41,9 +41,10 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxembed.config import ConfigError
 from jaxembed import kernels, weights
+from jaxembed.errors import ConfigError, check_positive_int
 from jaxembed.ops import wkv7
+from jaxembed.runtime import Runtime
 
 F32 = jnp.float32
 
@@ -75,9 +76,8 @@ class RWKV7Config:
             object.__setattr__(self, "d_ffn", 4 * self.d_model if isinstance(self.d_model, int) else None)
         for name in ("vocab_size", "d_model", "n_layers", "head_size", "d_ffn", "decay_low_rank", "a_low_rank",
                      "v_low_rank", "gate_low_rank", "chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name), error=ConfigError)
+            object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints -> int: hashable, JSON
         if self.d_model % self.head_size:
             raise ConfigError(f"d_model = {self.d_model} is not a multiple of head_size = {self.head_size}")
         if self.chunk_size > wkv7.MAX_CHUNK:
@@ -148,6 +148,8 @@ def param_shapes(cfg: RWKV7Config) -> dict:
 # The decay bias stays float32 when the rest of the model is cast to bfloat16: the decays are
 # computed in float32 from it, and their error compounds over every token the state carries.
 FLOAT32_PARAMS = ("w0",)
+
+VERTICAL = True  # a constant-size state per layer: vertically chunked inference applies
 
 
 # Layer matrices used as x @ W [d_in, d_out]: the "all linear layers" that LoRA adapts and NF4 quantises.
@@ -251,7 +253,7 @@ def l2_normalize(x, eps=1e-12):
     return x / jnp.maximum(jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True)), eps)
 
 
-def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, chunk_size: int):
+def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, runtime: Runtime):
     """RWKV7's time mix on the normalised input u [b, t, d].
 
     Returns (out [b, t, d] float32, shift state [b, d], WKV state [b, h, n, n], v_first [b, t, d]).
@@ -279,8 +281,8 @@ def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, c
     log_w = -math.exp(-0.5) * jax.nn.sigmoid(p["w0"].astype(F32) + w_lora)
 
     rh, kh, vh, ah = (_heads(x, cfg) for x in (r, k, v, a))
-    y, wkv_state = kernels.wkv7_chunked(rh, _heads(log_w, cfg), kh, vh, -kk, kk * ah, chunk_size=chunk_size,
-                                          initial_state=state.wkv)  # [b, t, h, n]
+    y, wkv_state = kernels.wkv7_chunked(rh, _heads(log_w, cfg), kh, vh, -kk, kk * ah, chunk_size=runtime.chunk_size,
+                                        backend=runtime.kernels, initial_state=state.wkv)  # [b, t, h, n]
     # GroupNorm, one group per head (biased variance), then the per-channel affine
     mean = jnp.mean(y, axis=-1, keepdims=True)
     y = y - mean
@@ -299,13 +301,13 @@ def channel_mix(p: dict, u, prev):
     return _linear(k, p["ffn_value"]), shift
 
 
-def layer(cfg: RWKV7Config, p: dict, stream: Stream, state: State, *, chunk_size: int, index):
+def layer(cfg: RWKV7Config, p: dict, stream: Stream, state: State, *, runtime: Runtime, index):
     """One block: x + time_mix(ln1(x)), then + channel_mix(ln2(x)). `index` (the layer number, traced
     inside the scheduler's scan) selects layer 0's value-residual role without a Python branch."""
     x, v_first = stream
     att, shift_att, wkv_state, v_first = time_mix(
         cfg, p, layer_norm(x, p["ln1_weight"], p["ln1_bias"], cfg.norm_eps), state, v_first, index == 0,
-        chunk_size=chunk_size)
+        runtime=runtime)
     x = x + att
     ffn, shift_ffn = channel_mix(p, layer_norm(x, p["ln2_weight"], p["ln2_bias"], cfg.norm_eps), state.shift_ffn)
     return Stream(x + ffn, v_first), State(shift_att, wkv_state, shift_ffn)
@@ -329,5 +331,4 @@ def final_norm(cfg: RWKV7Config, params: dict, x):
 
 def logits(cfg: RWKV7Config, params: dict, hidden):
     """Language-model head. hidden [..., d] -> [..., v]."""
-    head = params["lm_head"]
-    return jnp.einsum("...d,vd->...v", hidden.astype(head.dtype), head, preferred_element_type=F32)
+    return weights.lm_head(hidden, params["lm_head"])

@@ -29,8 +29,9 @@ import jax.numpy as jnp
 
 from jaxembed import kernels as kernel_backends
 from jaxembed import weights
-from jaxembed.config import ConfigError
+from jaxembed.errors import ConfigError, check_positive_int
 from jaxembed.ops import attention as ops_attention
+from jaxembed.runtime import Runtime
 
 F32 = jnp.float32
 VERTICAL = False  # no constant-size state: the scheduler runs the whole sequence at once
@@ -60,9 +61,8 @@ class TransformerConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name), error=ConfigError)
+            object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints -> int: hashable, JSON
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads = {self.n_heads} is not a multiple of n_kv_heads = {self.n_kv_heads}")
         if self.head_dim is None:
@@ -115,7 +115,7 @@ def init_params(cfg: TransformerConfig, key: jax.Array, dtype=F32) -> dict:
         shapes, is_leaf=lambda s: isinstance(s, tuple))[0]]
     keys = jax.random.split(key, len(leaves))
     out = []
-    for path, shape, k in zip(paths, leaves, keys):
+    for path, shape, k in zip(paths, leaves, keys, strict=True):
         noise = jax.random.normal(k, shape, F32)
         out.append((1.0 + 0.1 * noise if "norm" in path else 0.02 * noise).astype(dtype))
     return jax.tree.unflatten(treedef, out)
@@ -143,28 +143,28 @@ def rope(x, theta: float):
     return (x.astype(F32) * cos[None, :, None] + rotated * sin[None, :, None]).astype(x.dtype)
 
 
-def attention_op(q, k, v, window):
-    """cuDNN flash attention where the kernels backend is the GPU's and the dtype suits it;
+def attention_op(q, k, v, window, backend: str):
+    """cuDNN flash attention where the kernels `backend` is the GPU's and the dtype suits it;
     elsewhere the blockwise XLA form (memory linear in the length, like FlashAttention)."""
-    if kernel_backends.resolve() == "pallas" and q.dtype in (jnp.bfloat16, jnp.float16):
+    if kernel_backends.resolve(backend) == "pallas" and q.dtype in (jnp.bfloat16, jnp.float16):
         return ops_attention.flash(q, k, v, window)
     return ops_attention.blockwise(q, k, v, window)
 
 
-def attention(cfg: TransformerConfig, p: dict, u):
+def attention(cfg: TransformerConfig, p: dict, u, backend: str):
     b, t, _ = u.shape
     dtype = u.dtype
     q = weights.linear(u, p["wq"], bias=p.get("bq")).astype(dtype).reshape(b, t, cfg.n_heads, cfg.head_dim)
     k = weights.linear(u, p["wk"], bias=p.get("bk")).astype(dtype).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
     v = weights.linear(u, p["wv"], bias=p.get("bv")).astype(dtype).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
     q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
-    out = attention_op(q, k, v, cfg.sliding_window)
+    out = attention_op(q, k, v, cfg.sliding_window, backend)
     return weights.linear(out.reshape(b, t, cfg.n_heads * cfg.head_dim), p["wo"])
 
 
-def layer(cfg: TransformerConfig, p: dict, x, state: State, *, chunk_size: int = 0, index=None):
+def layer(cfg: TransformerConfig, p: dict, x, state: State, *, runtime: Runtime, index=None):
     """x + attn(norm(x)), then + mlp(norm(x)). x [b, t, d]."""
-    x = x + attention(cfg, p, rms_norm(x, p["attn_norm"], cfg.norm_eps)).astype(x.dtype)
+    x = x + attention(cfg, p, rms_norm(x, p["attn_norm"], cfg.norm_eps), runtime.kernels).astype(x.dtype)
     h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
     hidden = jax.nn.silu(weights.linear(h, p["w_gate"])) * weights.linear(h, p["w_up"])
     return x + weights.linear(hidden.astype(h.dtype), p["w_down"]).astype(x.dtype), state
@@ -174,10 +174,14 @@ def embed_tokens(cfg: TransformerConfig, params: dict, ids):
     return jnp.take(params["embedding"], ids, axis=0)
 
 
+def hidden(stream):
+    """The stream is the residual [b, t, d] itself."""
+    return stream
+
+
 def final_norm(cfg: TransformerConfig, params: dict, x):
     return rms_norm(x, params["norm_f"], cfg.norm_eps).astype(F32)
 
 
 def logits(cfg: TransformerConfig, params: dict, hidden):
-    head = params["embedding"] if cfg.tie_embeddings else params["lm_head"]
-    return jnp.einsum("...d,vd->...v", hidden.astype(head.dtype), head, preferred_element_type=F32)
+    return weights.lm_head(hidden, params["embedding"] if cfg.tie_embeddings else params["lm_head"])

@@ -39,9 +39,10 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxembed.config import ConfigError
 from jaxembed import kernels, weights
+from jaxembed.errors import ConfigError, check_positive_int
 from jaxembed.ops import mlstm
+from jaxembed.runtime import Runtime
 
 F32 = jnp.float32
 State = mlstm.State  # C [b, h, k, v], n [b, h, k], m [b, h], float32
@@ -88,9 +89,8 @@ class XLSTMConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "ffn_round_up_to_multiple_of", "chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name), error=ConfigError)
+            object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints -> int: hashable, JSON
         for name in ("qk_dim_factor", "v_dim_factor", "ffn_proj_factor", "gate_soft_cap", "output_logit_soft_cap",
                      "norm_eps"):
             value = getattr(self, name)
@@ -112,12 +112,14 @@ class XLSTMConfig:
         for name, dim in (("qk_dim", self.qk_dim), ("v_dim", self.v_dim)):
             if dim <= 0 or dim % self.n_heads:
                 raise ConfigError(
-                    f"{name} = int(d_model * {name}_factor) = {dim} must be a positive multiple of n_heads = {self.n_heads}"
+                    f"{name} = int(d_model * {name}_factor) = {dim} must be a positive multiple of "
+                    f"n_heads = {self.n_heads}"
                 )
 
     @property
     def qk_dim(self) -> int:
-        """Query/key width, int(d_model * qk_dim_factor) as transformers' xLSTMLayer (not its config's rounded qk_dim)."""
+        """Query/key width, int(d_model * qk_dim_factor) as transformers' xLSTMLayer (not its config's
+        rounded qk_dim)."""
         return int(self.d_model * self.qk_dim_factor)
 
     @property
@@ -179,6 +181,8 @@ def param_shapes(cfg: XLSTMConfig) -> dict:
 # Nothing is kept float32 when the weights are cast: the gate preactivations are float32 matmul
 # outputs whatever the weight dtype, and the states and gates inside the mLSTM are float32.
 FLOAT32_PARAMS = ()
+
+VERTICAL = True  # a constant-size state per layer: vertically chunked inference applies
 
 
 # Layer matrices used as x @ W [d_in, d_out]: the "all linear layers" that LoRA adapts and NF4 quantises.
@@ -253,7 +257,7 @@ def _linear(x, w, b=None, out_dtype=F32):
     return weights.linear(x, w, bias=b, out_dtype=out_dtype)
 
 
-def mlstm_mixer(cfg: XLSTMConfig, p: dict, u, state: State, *, chunk_size: int):
+def mlstm_mixer(cfg: XLSTMConfig, p: dict, u, state: State, *, runtime: Runtime):
     """The mLSTM layer on normalised input u [b, t, d]. Returns (out [b, t, d] in u's dtype, new state)."""
     b, t, _ = u.shape
     h = cfg.n_heads
@@ -266,7 +270,8 @@ def mlstm_mixer(cfg: XLSTMConfig, p: dict, u, state: State, *, chunk_size: int):
     o = _linear(u, p["ogate"], p.get("ogate_bias"))
     i = soft_cap(_linear(u, p["igate"], p["igate_bias"]), cfg.gate_soft_cap)  # [b, t, h]
     f = soft_cap(_linear(u, p["fgate"], p["fgate_bias"]), cfg.gate_soft_cap)
-    y, state = kernels.mlstm_chunked(q, k, v, i, f, chunk_size=chunk_size, initial_state=state, eps=cfg.eps)
+    y, state = kernels.mlstm_chunked(q, k, v, i, f, chunk_size=runtime.chunk_size, backend=runtime.kernels,
+                                     initial_state=state, eps=cfg.eps)
     y = jax.nn.sigmoid(o) * multihead_layer_norm(y, p["multihead_norm"], p.get("multihead_norm_bias"), cfg.norm_eps)
     return _linear(y.astype(act), p["out_proj"], p.get("out_proj_bias"), act), state
 
@@ -278,11 +283,11 @@ def feed_forward(p: dict, u):
     return _linear((jax.nn.silu(gate) * up).astype(u.dtype), p["ffn_down"], p.get("ffn_down_bias"), u.dtype)
 
 
-def layer(cfg: XLSTMConfig, p: dict, x, state: State, *, chunk_size: int, index=None):
+def layer(cfg: XLSTMConfig, p: dict, x, state: State, *, runtime: Runtime, index=None):
     """One xLSTM block on the residual stream x [b, t, d] (float32), continuing from `state`."""
     dtype = p["q"].dtype
     u = rms_norm(x, p["norm_mlstm"], p.get("norm_mlstm_bias"), cfg.norm_eps).astype(dtype)
-    out, state = mlstm_mixer(cfg, p, u, state, chunk_size=chunk_size)
+    out, state = mlstm_mixer(cfg, p, u, state, runtime=runtime)
     x = x + out.astype(F32)
     u = rms_norm(x, p["norm_ffn"], p.get("norm_ffn_bias"), cfg.norm_eps).astype(dtype)
     return x + feed_forward(p, u).astype(F32), state
@@ -293,6 +298,11 @@ def embed_tokens(cfg: XLSTMConfig, params: dict, ids):
     return jnp.take(params["embedding"], ids, axis=0).astype(F32)
 
 
+def hidden(stream):
+    """The stream is the residual [b, t, d] itself."""
+    return stream
+
+
 def final_norm(cfg: XLSTMConfig, params: dict, x):
     """transformers' out_norm (RMSNorm without bias), float32 out."""
     return rms_norm(x, params["norm_f"], None, cfg.norm_eps)
@@ -300,6 +310,5 @@ def final_norm(cfg: XLSTMConfig, params: dict, x):
 
 def logits(cfg: XLSTMConfig, params: dict, hidden):
     """Language-model head with the output soft cap. hidden [..., d] -> [..., vocab]."""
-    head = params["embedding"] if cfg.tie_embeddings else params["lm_head"]
-    out = jnp.einsum("...d,vd->...v", hidden.astype(head.dtype), head, preferred_element_type=F32)
+    out = weights.lm_head(hidden, params["embedding"] if cfg.tie_embeddings else params["lm_head"])
     return soft_cap(out, cfg.output_logit_soft_cap)

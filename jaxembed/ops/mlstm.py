@@ -39,6 +39,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxembed.errors import check_positive_int
+from jaxembed.ops.common import bmm
+
 F32 = jnp.float32
 EPS = 1e-6  # transformers' xLSTMConfig.eps default
 # Input-gate preactivation of padding tokens: exp(PAD_I - m) is exactly 0 for any finite m, and
@@ -156,12 +159,6 @@ def quadratic(q, k, v, i, f, *, initial_state=None, eps=EPS):
 # canonical batched matmul over (b, c, h) and XLA adds no transposes around it.
 
 
-def _bmm(a, b):
-    """[..., m, k] @ [..., k, n] -> [..., m, n] in float32 (batch dims leading, canonical dot_general)."""
-    nb = a.ndim - 2
-    batch = tuple(range(nb))
-    return lax.dot_general(a, b, (((nb + 1,), (nb,)), (batch, batch)), preferred_element_type=F32)
-
 
 def chunk_local_states(k, v, ig, b_cum):
     """Each chunk's own contribution to the state at its end, assuming a zero incoming state.
@@ -174,7 +171,7 @@ def chunk_local_states(k, v, ig, b_cum):
     a = b_cum[..., -1:] - b_cum + ig  # [b,c,h,s]
     m_loc = jnp.max(a, axis=-1)
     kw = k * jnp.exp(a - m_loc[..., None])[..., None]  # [b,c,h,s,k]
-    return _bmm(jnp.swapaxes(kw, -1, -2), v), jnp.sum(kw, axis=-2), m_loc
+    return bmm(jnp.swapaxes(kw, -1, -2), v), jnp.sum(kw, axis=-2), m_loc
 
 
 def chunk_states(C_loc, n_loc, m_loc, chunk_decay, initial_state: State):
@@ -220,10 +217,10 @@ def chunk_output(q, k, v, ig, b_cum, entering: State, eps):
     m = jnp.maximum(log_inter, jnp.max(jnp.where(causal, log_d, -jnp.inf), axis=-1))
     # above the diagonal log_d - m can be large and positive: clamp before exp, then mask
     D = jnp.where(causal, jnp.exp(jnp.minimum(log_d - m[..., None], 0.0)), 0.0)
-    SD = _bmm(q, jnp.swapaxes(k, -1, -2)) * D  # [b,c,h,l,s]
+    SD = bmm(q, jnp.swapaxes(k, -1, -2)) * D  # [b,c,h,l,s]
     qw = q * jnp.exp(log_inter - m)[..., None]  # the incoming state's weight (<= 1) folded into q
-    num = _bmm(SD, v) + _bmm(qw, entering.C)
-    den = jnp.sum(SD, axis=-1) + _bmm(qw, entering.n[..., None])[..., 0]
+    num = bmm(SD, v) + bmm(qw, entering.C)
+    den = jnp.sum(SD, axis=-1) + bmm(qw, entering.n[..., None])[..., 0]
     return _normalise(num, den, m, eps)
 
 
@@ -239,8 +236,7 @@ def chunked(q, k, v, i, f, *, chunk_size, initial_state=None, eps=EPS):
     real token. Returns (h [b, t, h, v], final State).
     """
     state = _check(q, k, v, i, f, initial_state)
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_positive_int("chunk_size", chunk_size)
     b, t, h, dk = q.shape
     if t == 0:
         raise ValueError("chunked needs at least one token (t >= 1)")

@@ -7,8 +7,8 @@
 matrix form M = L ∘ (C Bᵀ) (eq. 6, `eq:ssm-matrix-vectorized`) and `chunked` the chunked
 algorithm of Section 3.2.2: intra-chunk matrix work (eqs. 8-9), the inter-chunk state
 recurrence as a `lax.scan` over chunks (eq. 10) and the output correction (eqs. 11-12).
-In the paper's notation x_t is our dt_t * x_t and a_t = exp(dt_t * A). All three take the raw `dt` (before bias and softplus),
-an optional initial state, and return `(y, final_state)`.
+In the paper's notation x_t is our dt_t * x_t and a_t = exp(dt_t * A). All three take the raw `dt`
+(before bias and softplus), an optional initial state, and return `(y, final_state)`.
 
 Shapes: b batch, t time, c chunks, l/s positions inside a chunk, h heads, p head dim,
 g groups (heads are grouped as h = g * r, r = heads per group), n state size.
@@ -30,6 +30,9 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxembed.ops import common
+from jaxembed.ops.common import bmm
 
 F32 = jnp.float32
 
@@ -65,12 +68,7 @@ def _heads_per_group(x, B, C=None):
 
 def _check_state(initial_state, x, B):
     b, _, h, p = x.shape
-    n = B.shape[-1]
-    if initial_state is None:
-        return jnp.zeros((b, h, p, n), F32)
-    if initial_state.shape != (b, h, p, n):
-        raise ValueError(f"initial_state has shape {initial_state.shape}, expected {(b, h, p, n)}")
-    return initial_state.astype(F32)
+    return common.initial_state(initial_state, (b, h, p, B.shape[-1]))
 
 
 def segsum(a):
@@ -99,16 +97,6 @@ def decay_matrix(a_cum):
     diff = jnp.minimum(a_cum[..., :, None] - a_cum[..., None, :], 0.0)
     return jnp.where(jnp.tril(jnp.ones((l, l), bool)), jnp.exp(diff), 0.0)
 
-
-def _bmm(a, b):
-    """Batched matmul [..., m, k] @ [..., k, n] -> [..., m, n] in float32, batch dims leading.
-
-    Written as a canonical dot_general so XLA keeps row-major operands and output, instead of
-    transposing [l, s] decay matrices on the way in and the outputs on the way out.
-    """
-    nb = a.ndim - 2
-    batch = tuple(range(nb))
-    return lax.dot_general(a, b, (((nb + 1,), (nb,)), (batch, batch)), preferred_element_type=F32)
 
 
 def _triangular_sums(a):
@@ -182,14 +170,14 @@ def chunk_intra(x, dt, a, B, C):
     cdt = x.dtype
     a_cum, a_to_end = _triangular_sums(jnp.moveaxis(a, 2, 3))  # [b,c,h,l]; a_to_end[s] = Σ_{k>s} a_k
     Bg, Cg = jnp.moveaxis(B, 3, 2), jnp.moveaxis(C, 3, 2)  # [b,c,g,l,n]
-    CB = _bmm(Cg, jnp.swapaxes(Bg, -1, -2))  # [b,c,g,l,s], per group: shared by its r heads
+    CB = bmm(Cg, jnp.swapaxes(Bg, -1, -2))  # [b,c,g,l,s], per group: shared by its r heads
     M = (decay_matrix(a_cum).reshape(b, c, g, r, l, l) * CB[:, :, :, None]).astype(cdt)
     xdt = x.astype(F32) * dt[..., None]  # [b,c,l,h,p]
     xdt_heads = jnp.moveaxis(xdt.astype(cdt).reshape(b, c, l, g, r, p), 2, 4)  # [b,c,g,r,s,p]
-    y_intra = jnp.moveaxis(_bmm(M, xdt_heads), 4, 2).reshape(b, c, l, h, p)
+    y_intra = jnp.moveaxis(bmm(M, xdt_heads), 4, 2).reshape(b, c, l, h, p)
     # the chunk state: all heads of a group in one matmul, Bᵀ [n, s] @ (dt x decay-to-end) [s, r*p]
     w = (xdt * jnp.exp(jnp.moveaxis(a_to_end, 3, 2))[..., None]).astype(cdt).reshape(b, c, l, g, r * p)
-    h_intra = _bmm(jnp.moveaxis(B, (2, 3), (4, 2)), jnp.moveaxis(w, 3, 2))  # [b,c,g,n,r*p]
+    h_intra = bmm(jnp.moveaxis(B, (2, 3), (4, 2)), jnp.moveaxis(w, 3, 2))  # [b,c,g,n,r*p]
     return y_intra, h_intra, jnp.moveaxis(a_cum, 3, 2)
 
 
@@ -232,7 +220,7 @@ def chunk_output(C, entering, a_cum):
     """
     b, c, l, g, n = C.shape
     h = a_cum.shape[-1]
-    y = _bmm(jnp.moveaxis(C, 3, 2), entering.astype(C.dtype))  # [b,c,g,l,r*p]
+    y = bmm(jnp.moveaxis(C, 3, 2), entering.astype(C.dtype))  # [b,c,g,l,r*p]
     y = jnp.moveaxis(y, 2, 3).reshape(b, c, l, h, -1)
     return y * jnp.exp(a_cum)[..., None]
 

@@ -28,6 +28,9 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from jaxembed.ops import common
+from jaxembed.ops.common import bmm
+
 F32 = jnp.float32
 
 # RWKV7's decay is w = exp(-exp(-1/2) * sigmoid(.)), so log w lies in [-exp(-1/2), 0] at every step.
@@ -49,12 +52,7 @@ def _check(r, log_w, k, v, a, b, initial_state):
     if v.shape[:3] != shape[:3] or v.ndim != 4:
         raise ValueError(f"v must be [batch, time, heads, value_dim] matching r's {shape[:3]}, got {v.shape}")
     bsz, _, h, n = shape
-    p = v.shape[-1]
-    if initial_state is None:
-        return jnp.zeros((bsz, h, p, n), F32)
-    if initial_state.shape != (bsz, h, p, n):
-        raise ValueError(f"initial_state has shape {initial_state.shape}, expected {(bsz, h, p, n)}")
-    return initial_state.astype(F32)
+    return common.initial_state(initial_state, (bsz, h, v.shape[-1], n))
 
 
 def recurrent(r, log_w, k, v, a, b, *, initial_state=None):
@@ -72,25 +70,7 @@ def recurrent(r, log_w, k, v, a, b, *, initial_state=None):
     return jnp.moveaxis(y, 0, 1), state
 
 
-def _bmm(x, y):
-    """[..., m, k] @ [..., k, n] -> [..., m, n] in float32 (batch dims leading)."""
-    nb = x.ndim - 2
-    batch = tuple(range(nb))
-    return lax.dot_general(x, y, (((nb + 1,), (nb,)), (batch, batch)), preferred_element_type=F32)
 
-
-def _bmm_t(x, y):
-    """x @ yᵀ: [..., m, k], [..., n, k] -> [..., m, n]."""
-    nb = x.ndim - 2
-    batch = tuple(range(nb))
-    return lax.dot_general(x, y, (((nb + 1,), (nb + 1,)), (batch, batch)), preferred_element_type=F32)
-
-
-def _t_bmm(x, y):
-    """xᵀ @ y: [..., k, m], [..., k, n] -> [..., m, n]."""
-    nb = x.ndim - 2
-    batch = tuple(range(nb))
-    return lax.dot_general(x, y, (((nb,), (nb,)), (batch, batch)), preferred_element_type=F32)
 
 
 def _chunk_sums(x):
@@ -144,21 +124,21 @@ def chunk_intra(r, log_w, k, v, a, b):
     b_end, k_end = b * to_end, k * to_end  # B̄, K̄
 
     # All four pair matrices in one product: [Ã; R̃] [B̂; K̂]ᵀ = [[ÃB̂ᵀ, ÃK̂ᵀ], [R̃B̂ᵀ, R̃K̂ᵀ]]   [b,c,h,2l,2l]
-    pairs = _bmm_t(jnp.concatenate([a_dec, r_dec], axis=-2), jnp.concatenate([b_inv, k_inv], axis=-2))
+    pairs = bmm(jnp.concatenate([a_dec, r_dec], axis=-2), jnp.concatenate([b_inv, k_inv], axis=-2), transpose_b=True)
     i, j = jnp.arange(l)[:, None], jnp.arange(l)[None, :]
     M_ab = jnp.where(i > j, pairs[..., :l, :l], 0.0)  # strictly lower: u_t reads the state before step t
     M_ak = jnp.where(i > j, pairs[..., :l, l:], 0.0)
     M_r = jnp.where(jnp.concatenate([i >= j] * 2, axis=1), pairs[..., l:, :], 0.0)  # [Mrb | Mrk], inclusive
 
-    rhs = jnp.concatenate([a_dec, _bmm(M_ak, v)], axis=-1)  # [b,c,h,l,n+p]
+    rhs = jnp.concatenate([a_dec, bmm(M_ak, v)], axis=-1)  # [b,c,h,l,n+p]
     sol = lax.linalg.triangular_solve(jnp.eye(l, dtype=F32) - M_ab, rhs, left_side=True, lower=True,
                                       unit_diagonal=True)
     # sol = [W, U0]  [b,c,h,l,n+p]. One stacked matrix X = [[W, U0], [0, V]]  [b,c,h,2l,n+p] serves
     # both remaining products: [Mrb | Mrk] X = [Mrb W | Mrb U0 + Mrk V], Xᵀ [B̄; K̄] = [Wᵀ B̄; U0ᵀ B̄ + Vᵀ K̄]
     X = jnp.concatenate([sol, jnp.concatenate([jnp.zeros_like(a_dec), v], axis=-1)], axis=-2)
-    out = _bmm(M_r, X)  # [b,c,h,l,n+p]
+    out = bmm(M_r, X)  # [b,c,h,l,n+p]
     Qm, y0 = r_dec + out[..., :n], out[..., n:]
-    ends = _t_bmm(X, jnp.concatenate([b_end, k_end], axis=-2))  # [b,c,h,n+p,n]
+    ends = bmm(X, jnp.concatenate([b_end, k_end], axis=-2), transpose_a=True)  # [b,c,h,n+p,n]
     T = ends[..., :n, :] + jnp.exp(g_end[..., 0, :])[..., None] * jnp.eye(n, dtype=F32)  # [b,c,h,n,n]
     H = ends[..., n:, :]  # [b,c,h,p,n]
     return y0, Qm, T, H
@@ -173,7 +153,7 @@ def chunk_states(T, H, initial_state):
 
     def step(S, inputs):
         T_c, H_c = inputs
-        return _bmm(S, T_c) + H_c, S
+        return bmm(S, T_c) + H_c, S
 
     final, entering = lax.scan(step, initial_state, (jnp.moveaxis(T, 1, 0), jnp.moveaxis(H, 1, 0)))
     return jnp.moveaxis(entering, 0, 1), final
@@ -204,6 +184,6 @@ def chunked(r, log_w, k, v, a, b, *, chunk_size: int, initial_state=None):
 
     y0, Qm, T, H = chunk_intra(*(chunks(x) for x in (r, log_w, k, v, a, b)))
     entering, final = chunk_states(T, H, state)
-    y = y0 + _bmm_t(Qm, entering)  # [b,c,h,l,p]
+    y = y0 + bmm(Qm, entering, transpose_b=True)  # [b,c,h,l,p]
     y = jnp.moveaxis(y, 2, 3).reshape(bsz, c * chunk_size, h, p)[:, :t]
     return y, final

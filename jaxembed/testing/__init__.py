@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import warnings
 from pathlib import Path
 
@@ -61,7 +60,9 @@ def hf_last_hidden(model, seqs) -> np.ndarray:
 
     base = getattr(model, "backbone", model)
     with torch.no_grad():
-        return np.stack([base(input_ids=torch.tensor([list(s)])).last_hidden_state[0, -1].double().numpy() for s in seqs])
+        return np.stack(
+            [base(input_ids=torch.tensor([list(s)])).last_hidden_state[0, -1].double().numpy() for s in seqs]
+        )
 
 
 def mamba_ssm_state_dict(model) -> dict:
@@ -175,6 +176,7 @@ def main(argv=None) -> int:
     model.config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(args.directory)
     tokenizer.save_pretrained(args.directory)
-    print(f"wrote a random Mamba2 ({args.layers} layers, d_model {args.hidden_size}) and its tokenizer to {args.directory}")
+    print(f"wrote a random Mamba2 ({args.layers} layers, d_model {args.hidden_size}) and its tokenizer to "
+          f"{args.directory}")
     return 0
 

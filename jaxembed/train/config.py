@@ -116,7 +116,9 @@ class TrainConfig:
 
     def __post_init__(self):
         if (self.model.path is None) == (self.model.init is None):
-            raise ConfigError("model: give exactly one of `path` (a checkpoint) and `init` (a model config for random weights)")
+            raise ConfigError(
+                "model: give exactly one of `path` (a checkpoint) and `init` (a model config for random weights)"
+            )
         if not self.data.train:
             raise ConfigError("data.train: no training files given")
         if self.quantization not in (None, "nf4"):
@@ -128,7 +130,9 @@ class TrainConfig:
         t = self.train
         for name in ("batch_size", "epochs", "warmup_steps"):
             if getattr(t, name) < (0 if name == "warmup_steps" else 1):
-                raise ConfigError(f"train.{name} must be {'>= 0' if name == 'warmup_steps' else 'positive'}, got {getattr(t, name)}")
+                raise ConfigError(
+                    f"train.{name} must be {'>= 0' if name == 'warmup_steps' else 'positive'}, got {getattr(t, name)}"
+                )
         if t.grad_cache_size is not None and (t.grad_cache_size < 1 or t.batch_size % t.grad_cache_size):
             raise ConfigError(f"train.grad_cache_size={t.grad_cache_size} must divide train.batch_size={t.batch_size}")
         if t.max_steps is not None and t.max_steps < 1:
@@ -165,7 +169,8 @@ def _build(cls, raw, where: str):
 
 
 def _coerce(hint, value, where):
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
+    is_union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    options = typing.get_args(hint) if is_union else (hint,)
     if value is None:
         if type(None) in options:
             return None

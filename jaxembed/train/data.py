@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jaxembed.errors import DataError
+
 if TYPE_CHECKING:  # `datasets` is imported lazily: plan_batches and the report do not need it
     import datasets
 
@@ -38,10 +40,6 @@ COLUMNS = ("query", "positive", "negatives", "instruction", "source")
 _REQUIRED = ("query", "positive", "negatives")
 _OPTIONAL = ("instruction", "source")
 _PLAN_ORDER_TAG = 0x6F726472  # "ordr": keeps the batch-order stream apart from every per-source stream
-
-
-class DataError(ValueError):
-    """Training data that cannot be used: a missing or unsupported file, a malformed record, bad batch settings."""
 
 
 @dataclasses.dataclass
@@ -190,7 +188,7 @@ def _fast_records(path: Path) -> list[dict[str, Any]] | None:
             else:
                 ds = datasets.Dataset.from_json(str(path), cache_dir=cache_dir, keep_in_memory=True)
             table = ds.data.table if hasattr(ds.data, "table") else ds.data
-    except Exception:  # noqa: BLE001 - any parse failure is diagnosed by the record-by-record scan
+    except Exception:  # any parse failure is diagnosed by the record-by-record scan
         return None
 
     schema = table.schema
@@ -218,7 +216,7 @@ def _fast_records(path: Path) -> list[dict[str, Any]] | None:
     cols = {c: table.column(c).to_pylist() if c in names else [None] * n for c in COLUMNS}
     stem = path.stem
     records = []
-    for q, p, negs, ins, src in zip(*(cols[c] for c in COLUMNS)):
+    for q, p, negs, ins, src in zip(*(cols[c] for c in COLUMNS), strict=True):
         if q is None or p is None or negs is None or any(x is None for x in negs):
             return None
         records.append({"query": q, "positive": p, "negatives": negs,
@@ -234,7 +232,7 @@ def _scan_records(path: Path) -> list[dict[str, Any]]:
 
         try:
             rows = pq.read_table(path).to_pylist()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise DataError(f"{path}: cannot read as parquet: {type(e).__name__}: {e}") from None
         return [_validate(row, path, f"row {i}") for i, row in enumerate(rows, 1)]
 

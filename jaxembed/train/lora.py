@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed import models
-from jaxembed.weights import DerivedWeight, dot, densify, linear
+from jaxembed.weights import DerivedWeight, densify, dot, linear
 
 F32 = jnp.float32
 
@@ -75,7 +75,9 @@ class LoraConfig:
                 paths.append(("layers", name))
             else:
                 known = sorted([k for k in params if k != "layers"] + list(params["layers"]))
-                raise ValueError(f"lora modules_to_save: {config.architecture} has no param {name!r}; choose from {known}")
+                raise ValueError(
+                    f"lora modules_to_save: {config.architecture} has no param {name!r}; choose from {known}"
+                )
         return tuple(paths)
 
 
@@ -110,7 +112,8 @@ def init_adapters(config, params, lora: LoraConfig, key) -> dict:
     """Fresh float32 adapters for every target matrix of params["layers"]."""
     layers = params["layers"]
     out = {}
-    for name, key_n in zip(lora.target_names(config), jax.random.split(key, len(lora.target_names(config)))):
+    for name, key_n in zip(lora.target_names(config), jax.random.split(key, len(lora.target_names(config))),
+                           strict=True):
         *lead, d_in, d_out = layers[name].shape
         bound = d_in ** -0.5
         out[name] = {

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from jaxembed import checkpoint, models
 from jaxembed.config import ConfigError, load_config
-from jaxembed.embedder import Embedder, _to_device, bucket_length, load_tokenizer, tokenize_texts
+from jaxembed.embedder import Embedder, bucket_length, load_tokenizer, tokenize_texts
 from jaxembed.train import data as data_lib
 from jaxembed.train import lora as lora_lib
 from jaxembed.train import sharding as sh
@@ -45,7 +45,8 @@ def initialize_distributed(cfg: TrainConfig) -> None:
     if d is None:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices (tests) talk over gloo
-    jax.distributed.initialize(coordinator_address=d.coordinator, num_processes=d.num_processes, process_id=d.process_id)
+    jax.distributed.initialize(coordinator_address=d.coordinator, num_processes=d.num_processes,
+                               process_id=d.process_id)
 
 
 def load_model(cfg: TrainConfig):
@@ -53,14 +54,7 @@ def load_model(cfg: TrainConfig):
     m = cfg.model
     settings = {}
     if m.path is not None:
-        from jaxembed.convert import read_checkpoint
-
-        directory = Path(m.path).expanduser()
-        if directory.is_dir() and checkpoint.is_converted(directory):
-            config, params, settings = checkpoint.load(directory)
-        else:
-            ck = read_checkpoint(m.path)
-            config, params, directory = ck.config, ck.params, ck.directory
+        config, params, settings, directory = checkpoint.open_model(m.path)
         tokenizer = _tokenizer(m.tokenizer, directory)
     else:
         config = load_config(m.init)
@@ -69,7 +63,9 @@ def load_model(cfg: TrainConfig):
     if tokenizer is None:
         raise ConfigError("model.tokenizer: the model has no tokenizer; name one (a path, a hub id or 'stdlib-bpe:N')")
     if len(tokenizer) > config.vocab_size:
-        raise ConfigError(f"model.tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {config.vocab_size}")
+        raise ConfigError(
+            f"model.tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {config.vocab_size}"
+        )
     return config, params, tokenizer, settings
 
 
@@ -105,14 +101,15 @@ class Trainer:
         self.config, self.stored_params, self.tokenizer, settings = load_model(cfg)
         self.family = models.family(self.config)
         self.chunk_size = cfg.model.chunk_size or self.config.chunk_size
-        self.eos = int(self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.config.eos_token_id)
+        self.eos = int(self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None
+                       else self.config.eos_token_id)
         self.query_template = cfg.data.query_template
         try:
             self.lora = lora_lib.LoraConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.lora.modules_to_save)
             self.lora.saved_paths(self.config, self.stored_params)  # fail early on unknown names
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        base = _to_device(self.stored_params, cfg.model.dtype, getattr(self.family, "FLOAT32_PARAMS", ()))
+        base = models.cast_params(self.family, self.stored_params, cfg.model.dtype)
         if cfg.quantization == "nf4":
             base = lora_lib.quantize_base(self.config, base, self.lora.target_names(self.config))
         self.base_shardings = sh.param_shardings(base, self.mesh)
@@ -124,7 +121,9 @@ class Trainer:
         self.sizes = {name: len(ds) for name, ds in self.sources.items()}
         self.steps_per_epoch = sum(n // t.batch_size for n in self.sizes.values())
         if self.steps_per_epoch == 0:
-            raise ConfigError(f"train.batch_size={t.batch_size} is larger than every source's kept examples {self.sizes}")
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} is larger than every source's kept examples {self.sizes}"
+            )
         self.leftover = data_lib.leftover(self.sizes, t.batch_size)
         self.total_steps = t.epochs * self.steps_per_epoch
         if t.max_steps is not None:
@@ -138,8 +137,8 @@ class Trainer:
                 self.heldout = self.heldout[: cfg.eval.max_queries]
 
         # optimizer and step
-        self.optimizer, self.lr_schedule = make_optimizer(t.learning_rate, self.total_steps, warmup_steps=t.warmup_steps,
-                                                          weight_decay=t.weight_decay)
+        self.optimizer, self.lr_schedule = make_optimizer(t.learning_rate, self.total_steps,
+                                                          warmup_steps=t.warmup_steps, weight_decay=t.weight_decay)
         self.step_config = StepConfig(self.config, self.lora, t.temperature, t.grad_cache_size, t.remat,
                                       cfg.model.kernels, self.chunk_size)
         key = jax.random.key(t.seed)
@@ -157,7 +156,8 @@ class Trainer:
         )
         self.manager = ocp.CheckpointManager(
             Path(cfg.checkpoint.directory).expanduser().absolute(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint.keep, save_interval_steps=cfg.checkpoint.every,
+            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint.keep,
+                                                 save_interval_steps=cfg.checkpoint.every,
                                                  cleanup_tmp_directories=True),
         )
         self.truncated = 0
@@ -180,13 +180,13 @@ class Trainer:
         records = self.sources[source][np.asarray(rows).tolist()]  # columns -> lists
         b, k = len(rows), self.cfg.data.negatives_per_query
         queries = [self.query_text({"instruction": i, "query": q}, source)
-                   for q, i in zip(records["query"], records["instruction"])]
+                   for q, i in zip(records["query"], records["instruction"], strict=True)]
         negatives = [n for negs in records["negatives"] for n in negs]
         ids, truncated = tokenize_texts(self.tokenizer, queries + records["positive"] + negatives, self.eos,
                                         self.cfg.data.max_tokens)
         lengths = np.array([len(x) for x in ids], np.int32)
         padded = np.zeros((len(ids), bucket_length(int(lengths.max()), self.chunk_size)), np.int32)
-        for row, x in zip(padded, ids):
+        for row, x in zip(padded, ids, strict=True):
             row[: len(x)] = x
         arrays = {
             "query_ids": padded[:b], "query_len": lengths[:b],
@@ -231,8 +231,9 @@ class Trainer:
     # ---- evaluation -------------------------------------------------------------------
     def embedder(self) -> Embedder:
         """The model as it is now (adapters applied, not merged), for encoding."""
-        return Embedder(lora_lib.apply(self.base, self.state.adapters, self.lora), self.config, tokenizer=self.tokenizer,
-                        chunk_size=self.chunk_size, query_template=self.query_template, kernels=self.cfg.model.kernels)
+        return Embedder(lora_lib.apply(self.base, self.state.adapters, self.lora), self.config,
+                        tokenizer=self.tokenizer, chunk_size=self.chunk_size, query_template=self.query_template,
+                        kernels=self.cfg.model.kernels)
 
     def evaluate(self) -> dict:
         """Held-out retrieval: recall@k of each query's positive among all held-out positives."""
@@ -304,7 +305,8 @@ class Trainer:
         from jax.experimental import multihost_utils
 
         adapters = multihost_utils.process_allgather(self.state.adapters, tiled=True)
-        host = lora_lib.merge(jax.tree.map(jnp.asarray, self.stored_params), jax.tree.map(jnp.asarray, adapters), self.lora)
+        host = lora_lib.merge(jax.tree.map(jnp.asarray, self.stored_params), jax.tree.map(jnp.asarray, adapters),
+                              self.lora)
         return jax.tree.map(np.asarray, host)
 
     def export(self, directory=None) -> Path | None:

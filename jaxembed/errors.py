@@ -1,0 +1,36 @@
+"""The errors jaxembed raises for bad input, in one place. Each is a ValueError (or, for data that
+is missing rather than wrong, a RuntimeError) whose message names the problem: the CLI reports
+them as one line."""
+
+from __future__ import annotations
+
+import numbers
+
+
+class ConfigError(ValueError):
+    """A config file is missing fields or describes an unsupported model."""
+
+
+class ConversionError(ValueError):
+    """The source is not a checkpoint we can read, or its tensors do not match the model."""
+
+
+class DataError(ValueError):
+    """Training data that cannot be used: a missing or unsupported file, a malformed record, bad batch settings."""
+
+
+class SpecError(ValueError):
+    """A benchmark sweep spec that names something missing or misshaped."""
+
+
+class MissingDataError(RuntimeError):
+    """An evaluation task's dataset is neither local nor reachable."""
+
+
+def check_positive_int(name: str, value, *, optional: bool = False, error: type[Exception] = ValueError) -> None:
+    """Raise `error` naming `name` unless value is a positive int (numpy ints count, bools do not),
+    or None where `optional`."""
+    if value is None and optional:
+        return
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise error(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
