@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common
 
 from jaxembed.bench import measure
+from jaxembed.bench.sweep import flatness
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = common.CONFIGS / "bench-memory-4l-256.yaml"
@@ -96,60 +97,28 @@ def method_label(method: str, V: int | None, tag: str = "") -> str:
     return f"jaxembed vertical V={V}" + (f" ({tag})" if tag else "")
 
 
-def flatness(rows: list[dict], label: str, min_length: int = 0, key: str = "peak_rss_mib"):
-    """(max/min of `key` over one method's successful points with length > min_length, shortest,
-    longest), or None with fewer than two points."""
-    pts = [(int(r["length"]), float(r[key])) for r in rows
-           if r["label"] == label and r["status"] == "ok" and int(r["length"]) > min_length
-           and r.get(key) not in (None, "")]
-    if len(pts) < 2:
-        return None
-    rss = [p[1] for p in pts]
-    return max(rss) / min(rss), min(p[0] for p in pts), max(p[0] for p in pts)
+def as_sweep_rows(rows: list[dict], batch: int) -> list[dict]:
+    """This script's rows in `jaxembed bench`'s schema, so its tables, flatness and figure are
+    `jaxembed.bench`'s own (memory: the process peak RSS)."""
+    out = []
+    for r in rows:
+        times = [float(t) for t in str(r.get("times_s") or "").split()]
+        out.append({**r, "series": r["label"], "batch": batch, "memory_mib": r.get("peak_rss_mib"),
+                    "memory_kind": "process peak RSS", "max_s": max(times) if times else r.get("min_s"),
+                    "architecture": "mamba2" if r["label"].startswith("jaxembed") else "peer"})
+    return out
 
 
-def plot(rows: list[dict], labels: list[str], path: Path, title: str) -> None:
-    import matplotlib
+def plot(rows: list[dict], labels: list[str], path: Path, title: str, batch: int) -> None:
+    """`jaxembed.bench`'s figure (runtime with its min-max band above, peak RSS below)."""
+    from types import SimpleNamespace
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from jaxembed.bench import plot as bench_plot
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    for label in labels:
-        pts = sorted((int(r["length"]), float(r["tokens_per_s"]), float(r["peak_rss_mib"])) for r in rows
-                     if r["label"] == label and r["status"] == "ok")
-        bad = sorted({(int(r["length"]), r["status"]) for r in rows
-                      if r["label"] == label and r["status"] not in ("ok",)})
-        legend = label
-        if bad:
-            legend += " [" + ", ".join(f"{common.fmt_len(n)}: {s}" for n, s in bad) + "]"
-        style = "-" if label.startswith("jaxembed") else "--"
-        if not pts:
-            ax1.plot([], [], style, marker="o", label=legend)
-            ax2.plot([], [], style, marker="o", label=legend)
-            continue
-        x, tps, rss = zip(*pts, strict=True)
-        line, = ax1.plot(x, tps, style, marker="o", label=legend)
-        ax2.plot(x, rss, style, marker="o", color=line.get_color(), label=legend)
-    for ax, ylabel in ((ax1, "tokens / s"), (ax2, "peak RSS (MiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("input length (tokens)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        lengths = sorted({int(r["length"]) for r in rows})
-        ax.set_xticks(lengths, [common.fmt_len(n) for n in lengths])
-    ax2.set_yscale("log")
-    from matplotlib.ticker import ScalarFormatter
-
-    ax2.yaxis.set_major_formatter(ScalarFormatter())
-    ax2.yaxis.set_minor_formatter(ScalarFormatter())
-    ax1.set_ylim(bottom=0)
-    ax1.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    lengths = sorted({int(r["length"]) for r in rows})
+    sweep = SimpleNamespace(lengths={batch: lengths}, title=title,
+                            series=[SimpleNamespace(label=label, vertical_for=lambda b: None) for label in labels])
+    bench_plot.figure(as_sweep_rows(rows, batch), sweep, path)
 
 
 def parent(args) -> int:
@@ -259,24 +228,27 @@ def parent(args) -> int:
     print(f"\nmax/min across lengths (vertical should be flat, <= {FLATNESS_LIMIT:.2f}, once T > V; "
           "horizontal grows)")
     print("  process peak RSS (ru_maxrss) | run-phase peak RSS (VmHWM reset after building the model)")
+    swept = as_sweep_rows(rows, args.batch)
     for method, V, label in variants:
-        fl = flatness(rows, label, min_length=V or 0)
-        fl_run = flatness(rows, label, min_length=V or 0, key="run_peak_rss_mib")
-        if fl is None:
+        ratio = flatness(swept, label, args.batch, beyond=V or 0)
+        ratio_run = flatness(swept, label, args.batch, beyond=V or 0, key="run_peak_rss_mib")
+        if ratio is None:
             print(f"  {label}: fewer than 2 successful points" + (f" with T > V={V}" if V else ""))
             continue
-        ratio, lo, hi = fl
+        measured = [int(r["length"]) for r in rows if r["label"] == label and r["status"] == "ok"
+                    and int(r["length"]) > (V or 0)]
+        lo, hi = min(measured), max(measured)
         verdict = ""
         if method == "jaxembed" and V is not None:
             verdict = "  PASS (flat)" if ratio <= FLATNESS_LIMIT else "  FAIL (not flat)"
-        run_part = f" | {fl_run[0]:.3f}" if fl_run else ""
+        run_part = f" | {ratio_run:.3f}" if ratio_run else ""
         print(f"  {label}: {ratio:.3f}{run_part} over {common.fmt_len(lo)}..{common.fmt_len(hi)}{verdict}")
 
     print(f"\nwrote {csv_path}")
     if not args.no_plot:
         title = (f"{Path(args.config).stem}, batch {args.batch}, fp32, {env['threads']} threads "
                  f"({common.cpu_model()})")
-        plot(rows, labels, Path(args.png), title)
+        plot(rows, labels, Path(args.png), title, args.batch)
         print(f"wrote {args.png}")
     return 0
 

@@ -265,8 +265,8 @@ def machine_line(rows: list[dict], platform: str) -> str:
             f"Python {host.python_version()}")
 
 
-def flatness(rows: list[dict], label: str, batch: int, beyond: int = 0) -> float | None:
-    """max/min memory of one series' successful points longer than `beyond` tokens."""
-    mem = [float(r["memory_mib"]) for r in rows if r["series"] == label and r["batch"] == batch
-           and r["status"] == "ok" and int(r["length"]) > beyond and r.get("memory_mib") not in (None, "")]
+def flatness(rows: list[dict], label: str, batch: int, beyond: int = 0, key: str = "memory_mib") -> float | None:
+    """max/min of `key` (memory) over one series' successful points longer than `beyond` tokens."""
+    mem = [float(r[key]) for r in rows if r["series"] == label and int(r["batch"]) == batch
+           and r["status"] == "ok" and int(r["length"]) > beyond and r.get(key) not in (None, "")]
     return max(mem) / min(mem) if len(mem) >= 2 else None
