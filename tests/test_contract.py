@@ -23,7 +23,7 @@ def test_every_family_states_the_whole_contract(name):
 
 def test_a_family_missing_a_member_is_refused(monkeypatch):
     broken = types.ModuleType("jaxembed.models.broken")
-    monkeypatch.setitem(models._FAMILIES, "broken", "jaxembed.models.broken")
+    monkeypatch.setitem(models._FAMILIES, "broken", models.Registration("jaxembed.models.broken", "", None))
     monkeypatch.setitem(__import__("sys").modules, "jaxembed.models.broken", broken)
     with pytest.raises(TypeError, match=r"lacks \['Config', 'VERTICAL'"):
         models.by_name("broken")
@@ -37,3 +37,14 @@ def test_no_module_global_backend_state():
     for op in (kernels.ssd_chunked, kernels.ssd_chunked_xbc, kernels.wkv7_chunked, kernels.mlstm_chunked):
         param = inspect.signature(op).parameters["backend"]
         assert param.default is inspect.Parameter.empty and param.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+@pytest.mark.parametrize("name", models.names())
+def test_the_registry_names_each_familys_conversion_and_operator(name):
+    from jaxembed.kernels import common
+
+    reg = models.registration(name)
+    layouts = __import__("importlib").import_module(reg.conversion)
+    assert all(hasattr(layouts, m) for m in ("detect", "rules_for", "ignored_keys", "RENAMES", "EXPECTS", "reference"))
+    assert reg.operator is None or reg.operator in common._TILES
+    assert (reg.operator is None) == (not models.by_name(name).VERTICAL)  # only attention has no chunked operator

@@ -13,16 +13,13 @@ from pathlib import Path
 import numpy as np
 
 from jaxembed import models
-from jaxembed.convert import mamba2 as mamba2_layouts
-from jaxembed.convert import rwkv7 as rwkv7_layouts
-from jaxembed.convert import transformer as transformer_layouts
-from jaxembed.convert import xlstm as xlstm_layouts
 from jaxembed.convert.core import convert_tensors
 from jaxembed.convert.sources import ConversionError, TensorSource, fetch_weights, resolve, weight_files
 
-# one entry per model family: detect(dir), rules_for(cfg), ignored_keys(cfg), RENAMES, EXPECTS (what
-# detect looks for, in words), reference(checkpoint) (the PyTorch reference run by --verify)
-LAYOUT_FAMILIES = (mamba2_layouts, rwkv7_layouts, xlstm_layouts, transformer_layouts)
+# each family's conversion module (models._FAMILIES): detect(dir), rules_for(cfg), ignored_keys(cfg),
+# RENAMES, EXPECTS (what detect looks for, in words), reference(checkpoint) (the PyTorch reference
+# run by --verify)
+LAYOUTS = tuple(models.conversion_layouts())
 
 
 @dataclasses.dataclass
@@ -32,22 +29,22 @@ class Checkpoint:
     layout: str  # "transformers", "mamba_ssm", "codestral", ...
     directory: Path
     files: list[Path]  # the tensor files read
-    family: object  # the layout module (name table, config readers)
+    layouts: object  # the family's conversion module (name table, config readers, reference)
 
     @property
-    def config_family(self):
+    def family(self):
         """The model family module (param shapes, float32 params) of this checkpoint's config."""
         return models.family(self.config)
 
 
 def detect(directory: Path):
-    """(family module, layout name, config, preferred weight files) for a checkpoint directory."""
-    for family in LAYOUT_FAMILIES:
-        found = family.detect(directory)
+    """(conversion module, layout name, config, preferred weight files) for a checkpoint directory."""
+    for layouts in LAYOUTS:
+        found = layouts.detect(directory)
         if found is not None:
-            return (family, *found)
+            return (layouts, *found)
     present = sorted(p.name for p in directory.iterdir())[:20]
-    expected = "; ".join(family.EXPECTS for family in LAYOUT_FAMILIES)
+    expected = "; ".join(layouts.EXPECTS for layouts in LAYOUTS)
     raise ConversionError(
         f"{directory}: not a checkpoint this version can read. Expected one of: {expected}. Found {present}"
     )
@@ -65,22 +62,22 @@ def _dtype_rule(config, dtype):
 def read_checkpoint(src, *, dtype=None, progress: bool = False) -> Checkpoint:
     """Read a Hugging Face-format checkpoint (any supported layout) into a params pytree of numpy arrays."""
     directory, hub_id = resolve(src)
-    family, layout, config, preferred = detect(directory)
+    layouts, layout, config, preferred = detect(directory)
     if hub_id is not None:
         directory = fetch_weights(hub_id, directory, preferred)
     files = weight_files(directory, preferred)
     source = TensorSource(files)
     params = convert_tensors(
         source,
-        family.rules_for(config),
+        layouts.rules_for(config),
         models.family(config).param_shapes(config),
         config.n_layers,
-        renames=family.RENAMES,
-        ignore=family.ignored_keys(config),
+        renames=layouts.RENAMES,
+        ignore=layouts.ignored_keys(config),
         dtype_for=_dtype_rule(config, _parse_dtype(dtype)),
         progress=progress,
     )
-    return Checkpoint(config, params, layout, directory, files, family)
+    return Checkpoint(config, params, layout, directory, files, layouts)
 
 
 def _parse_dtype(dtype):

@@ -28,7 +28,7 @@ def rounded_source_tensors(checkpoint) -> Iterator[tuple[str, np.ndarray]]:
     source = TensorSource(checkpoint.files)
     dtypes = {np.dtype(a.dtype) for a in jax.tree.leaves(checkpoint.params)} - {np.dtype(np.float32)}
     weights_dtype = dtypes.pop() if dtypes else np.dtype(np.float32)
-    keep_float32 = tuple(checkpoint.config_family.FLOAT32_PARAMS)
+    keep_float32 = tuple(checkpoint.family.FLOAT32_PARAMS)
     for raw in source.keys():
         tensor = np.asarray(source.get(raw))
         if raw.rsplit(".", 1)[-1] not in keep_float32 and np.issubdtype(tensor.dtype, np.floating):
@@ -86,7 +86,7 @@ def verify(checkpoint, *, lengths=(7,), seed: int = 0) -> tuple[float, float]:
         import torch  # noqa: F401
     except ImportError:
         raise ConversionError("--verify needs PyTorch: pip install 'jaxembed[torch]'") from None
-    reference = checkpoint.family.reference(checkpoint)
+    reference = checkpoint.layouts.reference(checkpoint)
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), checkpoint.params)
     run = jax.jit(embed, static_argnums=1, static_argnames=("vertical_chunk_size", "normalize"))
     rng = np.random.default_rng(seed)
@@ -95,7 +95,7 @@ def verify(checkpoint, *, lengths=(7,), seed: int = 0) -> tuple[float, float]:
     for n in (*lengths, 2 * q + 3):
         ids = rng.integers(0, cfg.vocab_size, (1, n))
         ref = np.asarray(reference(ids), np.float64)
-        for v in (None, q) if checkpoint.config_family.VERTICAL else (None,):
+        for v in (None, q) if checkpoint.family.VERTICAL else (None,):
             out = np.asarray(
                 run(params, cfg, jnp.asarray(ids), jnp.array([n]), vertical_chunk_size=v, normalize=False)
             )[0]

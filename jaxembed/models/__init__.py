@@ -5,12 +5,14 @@ the embedder, the converter, the trainer and the benchmarks use. Every family st
 member (no defaults read by `getattr`); `by_name` checks that on import.
 
 Adding a family: one model module here (the members below; its `Config` dataclass with
-`architecture`), one conversion table in `jaxembed/convert/`, one entry in `_FAMILIES`, and a
-parity test against a reference this project did not write (docs/architecture.md).
+`architecture`), one conversion table in `jaxembed/convert/`, one entry in `_FAMILIES` naming
+both (and its chunked operator, whose kernel tiles are `kernels.common`'s), and a parity test
+against a reference this project did not write (docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from types import ModuleType
 from typing import Any, ClassVar, Protocol
@@ -18,11 +20,21 @@ from typing import Any, ClassVar, Protocol
 import jax.numpy as jnp
 import numpy as np
 
-_FAMILIES: dict[str, str] = {
-    "mamba2": "jaxembed.models.mamba2",
-    "rwkv7": "jaxembed.models.rwkv7",
-    "xlstm": "jaxembed.models.xlstm",
-    "transformer": "jaxembed.models.transformer",  # Mistral / Qwen2 baselines (horizontal only)
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    model: str  # the model module (the Family contract)
+    conversion: str  # its checkpoint layouts: detect(dir), rules_for(cfg), reference(checkpoint), ...
+    operator: str | None  # its chunked operator in `jaxembed.kernels` (tiles: kernels.common.heuristic)
+
+
+# The one registry of families: model, conversion layouts and chunked operator.
+_FAMILIES: dict[str, Registration] = {
+    "mamba2": Registration("jaxembed.models.mamba2", "jaxembed.convert.mamba2", "ssd"),
+    "rwkv7": Registration("jaxembed.models.rwkv7", "jaxembed.convert.rwkv7", "wkv7"),
+    "xlstm": Registration("jaxembed.models.xlstm", "jaxembed.convert.xlstm", "mlstm"),
+    # Mistral / Qwen2 baselines (attention: horizontal only)
+    "transformer": Registration("jaxembed.models.transformer", "jaxembed.convert.transformer", None),
 }
 
 
@@ -59,7 +71,7 @@ def names() -> list[str]:
 def by_name(architecture: str) -> ModuleType:
     """The module implementing `architecture` (imported on first use), checked against `Family`."""
     try:
-        module = importlib.import_module(_FAMILIES[architecture])
+        module = importlib.import_module(_FAMILIES[architecture].model)
     except KeyError:
         raise ValueError(f"no model family for architecture {architecture!r}; supported: {names()}") from None
     missing = [m for m in _MEMBERS if not hasattr(module, m)]
@@ -67,6 +79,17 @@ def by_name(architecture: str) -> ModuleType:
         raise TypeError(f"model family {module.__name__} lacks {missing} of the family contract "
                         "(jaxembed.models.Family)")
     return module
+
+
+def registration(architecture: str) -> Registration:
+    if architecture not in _FAMILIES:
+        raise ValueError(f"no model family for architecture {architecture!r}; supported: {names()}")
+    return _FAMILIES[architecture]
+
+
+def conversion_layouts() -> list[ModuleType]:
+    """Every family's conversion module, in registry order (the converter tries each one's detect)."""
+    return [importlib.import_module(r.conversion) for r in _FAMILIES.values()]
 
 
 def family(cfg) -> ModuleType:
