@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxembed.errors import DataError
+from jaxembed.errors import DataError, check_positive_int
 
 if TYPE_CHECKING:  # `datasets` is imported lazily: plan_batches and the report do not need it
     import datasets
@@ -293,8 +293,7 @@ def _validate(row, path: Path, where: str) -> dict[str, Any]:
 
 
 def _check_plan_args(sizes: dict[str, int], batch_size: int) -> list[tuple[str, int]]:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
-        raise DataError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_positive_int("batch_size", batch_size, error=DataError)
     if not sizes:
         raise DataError("no sources to plan batches from (sizes is empty)")
     items = []

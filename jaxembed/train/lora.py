@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed import models
+from jaxembed.errors import check_positive_int
 from jaxembed.weights import DerivedWeight, densify, dot, linear
 
 F32 = jnp.float32
@@ -37,8 +38,7 @@ class LoraConfig:
     modules_to_save: tuple[str, ...] = ()  # params trained in full: top-level names or names under "layers"
 
     def __post_init__(self):
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
-            raise ValueError(f"lora rank must be a positive int, got {self.rank!r}")
+        check_positive_int("lora rank", self.rank)
         if not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
             raise ValueError(f"lora alpha must be a positive number, got {self.alpha!r}")
         if isinstance(self.targets, (list, tuple)):
