@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 
 def load(path, *, dtype=None, tokenizer=None, chunk_size=None, query_template=None, default_instruction=None,
-         max_tokens_per_batch=None, kernels="auto") -> Embedder:
+         max_tokens_per_batch=None, kernels="auto", verify=True) -> Embedder:
     """An `Embedder` from a converted directory (`jaxembed convert`) or a Hugging Face-format
     directory or hub id (transformers, mamba_ssm or Codestral layout, converted in memory).
 
@@ -32,13 +32,18 @@ def load(path, *, dtype=None, tokenizer=None, chunk_size=None, query_template=No
     decays stay float32. tokenizer: a path, hub id or tokenizer object (default: the one in
     the directory). chunk_size: the intra-layer chunk size Q (default: the model's).
     kernels: "auto" (Pallas kernels on GPU, XLA elsewhere), "pallas", "interpret" or "xla".
+    verify: check every tensor of a converted checkpoint against the checksums recorded when it
+    was written (a corrupt file is an error naming the tensor); False skips the check.
     """
     from jaxembed import checkpoint
 
-    config, params, settings, directory = checkpoint.open_model(path)
+    if dtype is not None and str(dtype) not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be None, 'float32' or 'bfloat16', got {dtype!r}")
+    config, params, settings, directory, fingerprint = checkpoint.open_model(path, verify=verify)
     return Embedder(
         params,
         config,
+        fingerprint=fingerprint,
         tokenizer=load_tokenizer(tokenizer, directory),
         dtype=dtype,
         chunk_size=chunk_size,

@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
+import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import orbax.checkpoint as ocp
 
@@ -19,32 +23,131 @@ TOKENIZER_FILES = (
 )
 
 
+EMBEDDER_SETTINGS = ("query_template", "default_instruction")  # the manifest's `embedder` section
+CHECKSUM = "xxh3_128"  # per tensor, over its bytes in C order: fast enough to verify on every load
+
+
 def is_converted(directory: Path) -> bool:
     return (Path(directory) / MANIFEST).exists()
 
 
-def save(directory, config, params, *, embedder: dict | None = None, source: str | None = None) -> Path:
-    """Write `params` with orbax and the manifest; returns the directory."""
+def tensor_checksums(params) -> dict[str, str]:
+    """{"layers/in_proj": hex digest, ...}: each leaf's bytes (C order, as stored) hashed."""
+    import jax
+    import numpy as np
+    import xxhash
+
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        arr = np.ascontiguousarray(np.asarray(leaf))
+        out[name] = xxhash.xxh3_128_hexdigest(arr.view(np.uint8).reshape(-1).data)
+    return out
+
+
+def fingerprint(config, checksums: dict[str, str]) -> str:
+    """A model's identity: its config and every tensor's checksum, hashed (32 hex digits)."""
+    import xxhash
+
+    text = json.dumps({"config": config.to_dict(), "tensors": checksums}, sort_keys=True, default=str)
+    return xxhash.xxh3_128_hexdigest(text.encode())
+
+
+def save(directory, config, params, *, embedder: dict | None = None, source: str | None = None,
+         tokenizer=None, tokenizer_from: Path | None = None, overwrite: bool = False) -> Path:
+    """Write a converted checkpoint atomically: params (orbax), the manifest with a checksum per
+    tensor, and the tokenizer (an object with `save_pretrained`, or the files of `tokenizer_from`),
+    all into a temporary sibling that then takes `directory`'s place in one rename.
+
+    An existing non-empty `directory` is refused unless `overwrite`, and even then only if it is a
+    jaxembed checkpoint; it is swapped out atomically (Linux renameat2 RENAME_EXCHANGE), so a
+    kill at any point leaves either the old checkpoint or the new one complete, never a mix.
+    """
+    from jaxembed.errors import ConversionError
+
     directory = Path(directory).expanduser().absolute()
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / "params"
-    if target.exists():
-        shutil.rmtree(target)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(target, params)
-    checkpointer.wait_until_finished()
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "config": config.to_dict(),
-        "embedder": embedder or {},
-        "source": source,
-    }
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    if directory.exists():
+        if not directory.is_dir():
+            raise ConversionError(f"{directory}: exists and is not a directory")
+        if any(directory.iterdir()):
+            if not is_converted(directory):
+                raise ConversionError(f"{directory}: not empty and not a jaxembed checkpoint; refusing to write into "
+                                      "it (choose a new or empty directory)")
+            if not overwrite:
+                raise ConversionError(f"{directory}: a jaxembed checkpoint is already there; pass --overwrite "
+                                      "(overwrite=True) to replace it")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(tmp / "params", params)
+        checkpointer.wait_until_finished()
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        elif tokenizer_from is not None:
+            copy_tokenizer(tokenizer_from, tmp)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "config": config.to_dict(),
+            "embedder": embedder or {},
+            "source": source,
+            "checksums": {"algorithm": CHECKSUM, "tensors": tensor_checksums(params)},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _fsync_tree(tmp)
+        _swap_into_place(tmp, directory)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 
-def load(directory):
-    """(config, params, embedder settings) from a converted directory, every tensor's shape checked."""
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under root, then the directories, so the rename publishes complete data."""
+    for path in sorted(root.rglob("*"), reverse=True):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _swap_into_place(new: Path, target: Path) -> None:
+    """Put the finished directory `new` at `target`: a plain rename when target is absent or empty,
+    else an atomic exchange of the two, after which `new` holds the old checkpoint (then removed)."""
+    try:
+        os.rename(new, target)  # target absent, or an empty directory: replaced atomically
+        return
+    except OSError:
+        pass
+    if not _rename_exchange(new, target):  # no renameat2 here: two renames, the old kept until the end
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.rmdir(old)
+        os.rename(target, old)
+        os.rename(new, target)
+        new = old
+    shutil.rmtree(new, ignore_errors=True)
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def load(directory, *, verify: bool = True):
+    """(config, params, embedder settings, fingerprint) from a converted directory.
+
+    Every tensor's shape is checked against the config, and with `verify` (the default) its
+    checksum against the manifest: a damaged file is an error that names the tensor, never a
+    model that embeds garbage.
+    """
     from jaxembed import models
     from jaxembed.errors import ConfigError, ConversionError
 
@@ -54,35 +157,69 @@ def load(directory):
         if manifest.get("format_version") != FORMAT_VERSION:
             raise ConversionError(f"unsupported format_version {manifest.get('format_version')!r}")
         config = config_from_dict(manifest["config"])
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ConfigError, ConversionError) as err:
+        settings = manifest.get("embedder") or {}
+        if not isinstance(settings, dict):
+            raise ConversionError(f"'embedder' must be a mapping, got {settings!r}")
+        unknown = sorted(set(settings) - set(EMBEDDER_SETTINGS))
+        if unknown:
+            raise ConversionError(f"unknown 'embedder' settings {unknown}; known: {list(EMBEDDER_SETTINGS)}")
+        unknown = sorted(set(manifest) - {"format_version", "config", "embedder", "source", "checksums"})
+        if unknown:
+            raise ConversionError(f"unknown manifest sections {unknown}")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, ConfigError,
+            ConversionError) as err:
         raise ConversionError(f"{directory / MANIFEST}: not a valid jaxembed manifest ({err})") from None
     if not (directory / "params").is_dir():
         raise ConversionError(f"{directory}: no params/ checkpoint next to {MANIFEST}")
     try:
         params = ocp.StandardCheckpointer().restore(directory / "params")
-    except Exception as err:
-        raise ConversionError(f"{directory / 'params'}: could not restore the orbax checkpoint ({err})") from None
+    except Exception as err:  # orbax/TensorStore errors carry a long spec: keep its first sentence
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConversionError(f"{directory / 'params'}: the checkpoint is damaged or incomplete, it could not be "
+                              f"read ({type(err).__name__}: {first[:200]})") from None
     problems = _shape_problems(params, models.family(config).param_shapes(config))
     if problems:
         raise ConversionError(f"{directory}: params do not match {MANIFEST}'s config:\n  " + "\n  ".join(problems))
-    return config, params, manifest.get("embedder", {})
+    recorded = (manifest.get("checksums") or {}).get("tensors")
+    if recorded is None:
+        warnings.warn(f"{directory}: no tensor checksums in {MANIFEST} (written by an older jaxembed); its integrity "
+                      "cannot be checked; convert it again to add them", stacklevel=2)
+        return config, params, settings, None
+    if verify:
+        actual = tensor_checksums(params)
+        bad = [name for name in sorted(set(recorded) | set(actual)) if recorded.get(name) != actual.get(name)]
+        if bad:
+            raise ConversionError(f"{directory}: the checkpoint is corrupt: {len(bad)} tensor(s) differ from the "
+                                  f"checksums recorded when it was written: {', '.join(bad[:6])}"
+                                  + (" ..." if len(bad) > 6 else ""))
+    return config, params, settings, fingerprint(config, recorded)
 
 
 OPTIONAL_PARAMS = ("lm_head",)  # a base model without its language-model head embeds just the same
 
 
-def open_model(path) -> tuple:
-    """(config, params, embedder settings, directory) of a converted directory (`jaxembed convert`)
-    or a Hugging Face-format checkpoint (a directory or hub id in any supported layout, converted
-    in memory; no settings). The one way `jaxembed.load` and the trainer open a model."""
+class OpenedModel(NamedTuple):
+    config: object
+    params: dict
+    settings: dict  # the manifest's embedder settings (empty for a Hugging Face checkpoint)
+    directory: Path
+    fingerprint: str | None  # identity of a converted checkpoint (None: computed when asked, from params)
+
+
+def open_model(path, *, verify: bool = True) -> OpenedModel:
+    """A converted directory (`jaxembed convert`, checksums verified) or a Hugging Face-format
+    checkpoint (a directory or hub id in any supported layout, converted in memory). The one way
+    `jaxembed.load` and the trainer open a model."""
     from jaxembed.convert import read_checkpoint
 
+    if path is None or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"the model path must be a directory path or a hub id, got {path!r}")
     directory = Path(path).expanduser()
     if directory.is_dir() and is_converted(directory):
-        config, params, settings = load(directory)
-        return config, params, settings, directory
+        config, params, settings, ident = load(directory, verify=verify)
+        return OpenedModel(config, params, settings, directory, ident)
     ck = read_checkpoint(path)
-    return ck.config, ck.params, {}, ck.directory
+    return OpenedModel(ck.config, ck.params, {}, ck.directory, None)
 
 
 def _shape_problems(params, shapes, prefix="") -> list[str]:

@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
+import io
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,18 +27,62 @@ def _vertical(value: str):
 
 
 def _read_texts(inputs: list[str]) -> list[str]:
-    """One text per line from each file ('-' or nothing: stdin). Blank lines are texts too (EOS alone)."""
+    """One text per line from each file ('-' or nothing: stdin). Blank lines are texts too (EOS alone).
+    Input that is not UTF-8 is an error naming the file, the line and the byte."""
     texts = []
     for name in inputs or ["-"]:
         if name == "-":
-            texts.extend(line.rstrip("\n") for line in sys.stdin)
+            stdin = getattr(sys.stdin, "buffer", None)  # a text stream without bytes (tests): decoded already
+            texts.extend(_decode_lines(stdin, "<stdin>") if stdin is not None else
+                         [line.rstrip("\n") for line in sys.stdin])
             continue
         path = Path(name)
         if not path.is_file():
-            raise SystemExit(f"jaxembed embed: {name}: no such file")
-        with open(path, encoding="utf-8") as f:
-            texts.extend(line.rstrip("\n") for line in f)
+            raise ValueError(f"{name}: no such file")
+        with open(path, "rb") as f:
+            texts.extend(_decode_lines(f, name))
     return texts
+
+
+def _decode_lines(stream, name: str) -> list[str]:
+    out = []
+    for number, raw in enumerate(stream, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{name}, line {number}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at column "
+                             f"{err.start + 1})") from None
+        out.append(line.rstrip("\n").rstrip("\r") if line.endswith("\r\n") else line.rstrip("\n"))
+    return out
+
+
+def check_output_path(path: Path, suffixes: tuple[str, ...], *, overwrite: bool) -> None:
+    """Refuse, before any work, an output that cannot or should not be written."""
+    if path.suffix not in suffixes:
+        raise ValueError(f"--output must end in {' or '.join(suffixes)}, got {path}")
+    if path.is_dir():
+        raise ValueError(f"--output {path} is a directory; name a file in it")
+    if not path.parent.is_dir():
+        raise ValueError(f"--output {path}: directory {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK):
+        raise ValueError(f"--output {path}: directory {path.parent} is not writable")
+    if path.exists() and not overwrite:
+        raise ValueError(f"--output {path} exists; pass --overwrite to replace it")
+
+
+def write_atomically(path: Path, write) -> None:
+    """write(binary file) into a temporary sibling, flushed to disk, then renamed over `path`: a
+    reader (or a kill) sees the old file or the new one, complete, never a part."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def cmd_convert(args) -> int:
@@ -44,7 +90,7 @@ def cmd_convert(args) -> int:
 
     out = convert(
         args.src, args.dst, dtype=args.dtype, verify=args.verify, tokenizer=args.tokenizer,
-        query_template=args.query_template, default_instruction=args.default_instruction,
+        query_template=args.query_template, default_instruction=args.default_instruction, overwrite=args.overwrite,
     )
     print(f"converted {args.src} -> {out}")
     return 0
@@ -54,13 +100,10 @@ def cmd_embed(args) -> int:
     import jaxembed
 
     if args.output is not None:
-        if args.output.suffix not in (".npy", ".jsonl"):
-            raise SystemExit(f"jaxembed embed: --output must end in .npy or .jsonl, got {args.output}")
-        if not args.output.parent.is_dir():
-            raise SystemExit(f"jaxembed embed: --output {args.output}: directory {args.output.parent} does not exist")
+        check_output_path(args.output, (".npy", ".jsonl"), overwrite=args.overwrite)
     texts = _read_texts(args.inputs)
     if not texts:
-        raise SystemExit("jaxembed embed: no input texts")
+        raise ValueError("no input texts")
     model = jaxembed.load(args.model, dtype=args.dtype, tokenizer=args.tokenizer)
     kwargs = dict(
         batch_size=args.batch_size, normalize_embeddings=not args.no_normalize, max_length=args.max_length,
@@ -71,13 +114,22 @@ def cmd_embed(args) -> int:
         emb = model.encode_query(texts, instruction=args.instruction, **kwargs)
     else:
         emb = model.encode_document(texts, **kwargs)
-    if args.output is None or args.output.suffix == ".jsonl":
-        opened = contextlib.nullcontext(sys.stdout) if args.output is None else open(args.output, "w", encoding="utf-8")
-        with opened as stream:
-            for text, vec in zip(texts, emb, strict=True):
-                stream.write(json.dumps({"text": text, "embedding": np.round(vec.astype(float), 7).tolist()}) + "\n")
+    def write_jsonl(stream):
+        for text, vec in zip(texts, emb, strict=True):
+            stream.write(json.dumps({"text": text, "embedding": np.round(vec.astype(float), 7).tolist()}) + "\n")
+
+    if args.output is None:
+        write_jsonl(sys.stdout)
+    elif args.output.suffix == ".jsonl":
+        def write_jsonl_bytes(f):
+            text = io.TextIOWrapper(f, encoding="utf-8")
+            write_jsonl(text)
+            text.flush()
+            text.detach()  # leave f open for write_atomically's fsync
+
+        write_atomically(args.output, write_jsonl_bytes)
     else:
-        np.save(args.output, emb)
+        write_atomically(args.output, lambda f: np.save(f, emb))
     s = model.last_stats
     print(f"embedded {s['texts']} texts, {s['tokens']} tokens in {s['seconds']:.2f} s "
           f"({s['tokens_per_second']:.0f} tokens/s, including the first-call JIT compilation)", file=sys.stderr)
@@ -119,7 +171,8 @@ def cmd_corpus(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxembed", description=__doc__)
+    parser = argparse.ArgumentParser(prog="jaxembed", description=__doc__,
+                                     epilog="jaxembed --debug COMMAND ...: show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("convert", help="convert a Hugging Face / mamba_ssm / Codestral checkpoint")
@@ -130,12 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer path or hub id to store with the model")
     p.add_argument("--query-template", default=None, help='query template, default "Instruction: {prompt}\\nQuery: "')
     p.add_argument("--default-instruction", default=None, help="instruction used by encode_query when none is given")
+    p.add_argument("--overwrite", action="store_true", help="replace a jaxembed checkpoint already at DST (atomically)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("embed", help="embed texts, one per line, from files or stdin")
     p.add_argument("inputs", nargs="*", help="text files, one text per line ('-' or none: stdin)")
     p.add_argument("--model", required=True, help="converted or Hugging Face directory")
     p.add_argument("--output", "-o", type=Path, default=None, help=".npy or .jsonl (default: jsonl on stdout)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file (atomically)")
     p.add_argument("--query", action="store_true", help="texts are queries: apply the instruction template")
     p.add_argument("--instruction", default=None, help="instruction for --query")
     p.add_argument("--batch-size", type=int, default=32)
@@ -168,11 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help='e.g. "MTEB(eng, v2)", "MTEB(Multilingual, v2)", "MTEB(eng, v1)", LongEmbed')
     p.add_argument("--tasks", default=None, help="comma-separated mteb task names")
     p.add_argument("--local-tasks", default=None,
-                   help="offline tasks of every type from a `jaxembed corpus stdlib` jsonl")
+                   help="offline tasks from a jsonl of {query, positive[, negatives, module, name]} rows "
+                        "(`jaxembed corpus stdlib` writes them; the trainer's {query, positive} data works too)")
     p.add_argument("--output", default="results",
                    help="mteb result cache folder (results/<model>/<revision>/<task>.json)")
     p.add_argument("--name", default=None, help="model name in the results, 'org/model' (default: jaxembed/<dir name>)")
-    p.add_argument("--revision", default=None, help="model revision in the results (default: local)")
+    p.add_argument("--revision", default=None,
+                   help="model revision in the results (default: fp-<hash of the model's tensors and the eval "
+                        "settings>, so results are reused only for the same model and settings)")
     p.add_argument("--max-length", type=int, default=None,
                    help="tokens per text (default: 512; LongEmbed: 32768; 0: no limit)")
     p.add_argument("--batch-size", type=int, default=32)
@@ -214,24 +272,43 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from jaxembed.eval.run import MissingDataError, cmd_eval
+    from jaxembed.eval.run import cmd_eval
 
-    try:
-        return cmd_eval(args)
-    except MissingDataError as err:
-        print(f"jaxembed eval: error: {err}", file=sys.stderr)
-        return 2
+    return cmd_eval(args)
 
 
 def main(argv=None) -> int:
-    from jaxembed.convert.sources import ConversionError
-
-    args = build_parser().parse_args(argv)
+    """Every error ends as one line on stderr, `jaxembed COMMAND: error: what (where)`, and exit 2;
+    `--debug` (before the command) shows the traceback instead."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv[:1]
+    args = build_parser().parse_args(argv[1:] if debug else argv)
     try:
         return args.func(args)
-    except (ConversionError, ValueError, TypeError) as err:
-        print(f"jaxembed {args.command}: error: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"jaxembed {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if debug:
+            raise
+        print(f"jaxembed {args.command}: error: {one_line(err)}", file=sys.stderr)
         return 2
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one line: our own errors (ValueError and friends) by their message, anything
+    else with its type, and a pointer to --debug for the traceback."""
+    from jaxembed import errors
+
+    first = (str(err).strip().splitlines() or [""])[0][:400]
+    ours = (errors.ConfigError, errors.ConversionError, errors.DataError, errors.SpecError, errors.MissingDataError)
+    if isinstance(err, ours):
+        return str(err).strip()  # our messages may list several problems, one per line
+    if isinstance(err, (ValueError, TypeError, FloatingPointError)):
+        return first
+    if isinstance(err, OSError) and err.filename:
+        return f"{err.filename}: {err.strerror or first}"
+    return f"{type(err).__name__}: {first} (run `jaxembed --debug ...` for the traceback)"
 
 
 if __name__ == "__main__":

@@ -69,8 +69,10 @@ class Embedder:
         default_instruction: str | None = None,
         max_tokens_per_batch: int | None = None,
         kernels: str = "auto",
+        fingerprint: str | None = None,
     ):
         self.config = config
+        self._fingerprint = fingerprint
         self.kernels = check_backend(kernels)
         self.family = models.family(config)
         chunk_size = config.chunk_size if chunk_size is None else chunk_size
@@ -87,6 +89,16 @@ class Embedder:
         self.last_stats: dict = {}
 
     # ---- properties -------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        """The model's identity (config and every tensor's checksum): a converted checkpoint's is
+        recorded when it is written; otherwise it is computed once from the params."""
+        if self._fingerprint is None:
+            from jaxembed import checkpoint
+
+            self._fingerprint = checkpoint.fingerprint(self.config, checkpoint.tensor_checksums(self.params))
+        return self._fingerprint
+
     @property
     def embedding_dim(self) -> int:
         return self.config.hidden_size

@@ -34,3 +34,14 @@ def check_positive_int(name: str, value, *, optional: bool = False, error: type[
         return
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise error(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+
+
+def check_token_ids(config) -> None:
+    """A config's special token ids (eos, pad) are ints in [0, vocab_size) or None."""
+    for name in ("eos_token_id", "pad_token_id"):
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value < config.vocab_size:
+            raise ConfigError(f"{name} must be a token id in [0, vocab_size = {config.vocab_size}) or null, "
+                              f"got {value!r}")

@@ -35,12 +35,22 @@ def test_embed_errors(hf_model_dir, tmp_path, capsys):
     assert "not a multiple of the chunk size" in capsys.readouterr().err
 
 
-def test_embed_checks_the_output_path_first(hf_model_dir, tmp_path):
-    import pytest
-
+def test_embed_checks_the_output_path_first(hf_model_dir, tmp_path, capsys):
+    """Before any work: a wrong suffix, a missing directory, a directory, an existing file without
+    --overwrite; each one line on stderr, exit 2, nothing written."""
     path, _ = hf_model_dir
     src = tmp_path / "t.txt"
     src.write_text("x\n")
-    for bad in (tmp_path / "out.txt", tmp_path / "missing_dir" / "out.npy"):
-        with pytest.raises(SystemExit, match="--output"):
-            main(["embed", str(src), "--model", str(path), "-o", str(bad), "--quiet"])
+    (tmp_path / "adir.npy").mkdir()
+    (tmp_path / "old.npy").write_bytes(b"old")
+    cases = {tmp_path / "out.txt": "must end in", tmp_path / "missing_dir" / "out.npy": "does not exist",
+             tmp_path / "adir.npy": "is a directory", tmp_path / "old.npy": "exists; pass --overwrite"}
+    for bad, why in cases.items():
+        assert main(["embed", str(src), "--model", str(path), "-o", str(bad), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert why in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert (tmp_path / "old.npy").read_bytes() == b"old"
+    assert main(["embed", str(src), "--model", str(path), "-o", str(tmp_path / "old.npy"), "--overwrite",
+                 "--quiet"]) == 0
+    assert np.load(tmp_path / "old.npy").shape[0] == 1
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".old.npy.tmp-")]  # no temporary left

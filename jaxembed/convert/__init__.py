@@ -97,10 +97,12 @@ __all__ = ["Checkpoint", "ConversionError", "read_checkpoint", "detect"]
 
 
 def convert(src, dst, *, dtype=None, verify: bool = False, tokenizer=None, query_template=None,
-            default_instruction=None, progress: bool = True) -> Path:
+            default_instruction=None, progress: bool = True, overwrite: bool = False) -> Path:
     """Convert SRC (directory or hub id) into DST: orbax params, jaxembed.json and tokenizer files.
 
-    With verify, the PyTorch reference runs first and nothing is written if it disagrees.
+    With verify, the PyTorch reference runs first and nothing is written if it disagrees. The
+    output is written atomically (`checkpoint.save`): an existing checkpoint at DST is replaced
+    only with `overwrite`, and a kill at any point leaves the old one or the new one, complete.
     """
     from jaxembed import checkpoint
     from jaxembed.embedder import QUERY_TEMPLATE, load_tokenizer
@@ -111,6 +113,10 @@ def convert(src, dst, *, dtype=None, verify: bool = False, tokenizer=None, query
     dst = Path(dst).expanduser()
     if dst.exists() and not dst.is_dir():
         raise ConversionError(f"{dst}: exists and is not a directory")
+    if dst.is_dir() and any(dst.iterdir()) and not (overwrite and checkpoint.is_converted(dst)):
+        why = "a jaxembed checkpoint is already there; pass --overwrite to replace it" if checkpoint.is_converted(
+            dst) else "not empty and not a jaxembed checkpoint; choose a new or empty directory"
+        raise ConversionError(f"{dst}: {why}")  # before the (long) read
     if Path(src).expanduser().exists() and dst.exists() and dst.resolve() == Path(src).expanduser().resolve():
         raise ConversionError(f"{dst}: the output directory must differ from the source")
     tok = load_tokenizer(tokenizer) if tokenizer is not None else None
@@ -125,9 +131,5 @@ def convert(src, dst, *, dtype=None, verify: bool = False, tokenizer=None, query
     settings = {"query_template": query_template}
     if default_instruction:
         settings["default_instruction"] = default_instruction
-    out = checkpoint.save(dst, ck.config, ck.params, embedder=settings, source=f"{src} ({ck.layout} layout)")
-    if tok is not None:
-        tok.save_pretrained(str(out))
-    else:
-        checkpoint.copy_tokenizer(ck.directory, out)
-    return out
+    return checkpoint.save(dst, ck.config, ck.params, embedder=settings, source=f"{src} ({ck.layout} layout)",
+                           tokenizer=tok, tokenizer_from=None if tok is not None else ck.directory, overwrite=overwrite)

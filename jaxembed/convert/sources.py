@@ -31,6 +31,11 @@ def resolve(src: str | os.PathLike) -> tuple[Path, str | None]:
         raise ConversionError(f"{src}: expected a checkpoint directory, got a file")
     if not _HUB_ID.match(str(src)):
         raise ConversionError(f"{src}: no such directory (and it is not a Hugging Face hub id)")
+    parent = Path(str(src).split("/", 1)[0])
+    if parent.is_dir():  # "runs/modle" where ./runs exists: a mistyped local path, not an organisation
+        raise ConversionError(f"{src}: no such directory in {parent}/ (not looked up on the Hugging Face hub, since "
+                              f"./{parent} is a local directory; give the hub id from another directory if you "
+                              "meant the hub)")
     from huggingface_hub import snapshot_download
 
     directory = _from_hub(str(src), lambda: snapshot_download(str(src), allow_patterns=["*.json", "tokenizer*"]))

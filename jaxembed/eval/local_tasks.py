@@ -4,12 +4,20 @@ Python standard library's functions and docstrings (`jaxembed.train.corpus`), no
     tasks = stdlib_tasks(rows)             # rows: triples from `jaxembed corpus stdlib` (held-out split)
     mteb.evaluate(MtebEncoder(model), tasks, cache=None)
 
+Rows (one JSON object per line of the `--local-tasks` file): "query" (a text, e.g. a docstring
+summary) and "positive" (the text it belongs to) are required, as in the trainer's data;
+"negatives" (texts it does not belong to), "module" (a class label) and "name" are optional.
+Without "negatives", another row's positive stands in; without "module", the tasks that need
+class labels (classification, multilabel classification, clustering) are left out, with a
+warning that names them.
+
 Each task states what it asks in its description. They are for checking the evaluation path end to
 end (and a quick smoke run of a checkpoint), not for comparing models with the paper.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 from datasets import Dataset, DatasetDict
@@ -71,11 +79,32 @@ def _modules(rows, n_modules: int):
     return [r for r in rows if r["module"] in label], label
 
 
+def normalise_rows(rows: list[dict]) -> tuple[list[dict], bool]:
+    """(rows with every field, whether they carry module labels). Rows need "query" and "positive"
+    strings; "negatives", "module" and "name" are filled in when absent (see the module docstring)."""
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise ValueError(f"row {i + 1}: expected a JSON object with 'query' and 'positive', got {r!r:.60}")
+        missing = [k for k in ("query", "positive") if not isinstance(r.get(k), str)]
+        if missing:
+            raise ValueError(f"row {i + 1}: needs string fields 'query' and 'positive' (missing or not a string: "
+                             f"{missing}); optional: 'negatives', 'module', 'name'")
+    has_modules = all(isinstance(r.get("module"), str) for r in rows)
+    n = len(rows)
+    out = []
+    for i, r in enumerate(rows):
+        negatives = r.get("negatives") or [rows[(i + n // 2) % n]["positive"]]
+        out.append({**r, "negatives": list(negatives), "module": r.get("module") if has_modules else "",
+                    "name": str(r.get("name", f"{i:08d}"))})
+    return out, has_modules
+
+
 def stdlib_tasks(rows: list[dict], *, prefix: str = "Stdlib") -> list:
     """One task per task type of the paper (Table 4), from corpus triples (query, positive,
     negatives, module). Deterministic given the rows."""
     if len(rows) < 40:
         raise ValueError(f"stdlib_tasks needs at least 40 triples, got {len(rows)}")
+    rows, has_modules = normalise_rows(rows)
     rows = sorted(rows, key=lambda r: (r["module"], r["name"]))
     pairs = rows[::2]  # a smaller, still mixed subset for the pairwise tasks
     cls_rows, label = _modules(rows, 4)
@@ -103,8 +132,9 @@ def stdlib_tasks(rows: list[dict], *, prefix: str = "Stdlib") -> list:
             s1, s2, score = [], [], []
             for i, r in enumerate(pairs):
                 other = pairs[(i + n // 2) % n]
-                for text, value in ((r["positive"], 1.0), (r["negatives"][0], 0.5), (other["positive"], 0.0)):
-                    if value == 0.0 and other["module"] == r["module"]:
+                grades = ((r["positive"], 1.0), (r["negatives"][0], 0.5), (other["positive"], 0.0))
+                for text, value in grades if has_modules else (grades[0], grades[2]):
+                    if has_modules and value == 0.0 and other["module"] == r["module"]:
                         continue
                     s1.append(r["query"]), s2.append(text), score.append(value)
             self.dataset = DatasetDict({"test": Dataset.from_dict({"sentence1": s1, "sentence2": s2, "score": score})})
@@ -157,15 +187,18 @@ def stdlib_tasks(rows: list[dict], *, prefix: str = "Stdlib") -> list:
 
     class Summarization(AbsTaskSummarization):
         metadata = _metadata(f"{prefix}DocstringSummarization", "Summarization", "cosine_spearman",
-                             "A function's docstring summary rates above another function's.")
+                             "Against a function's docstring summary (the human summary), the function's own "
+                             "first line (its signature) must rate above another function's docstring summary.")
         min_score, max_score = 0, 1
 
         def load_data(self, **kwargs):
             n = len(pairs)
+            # no machine summary equals the human one: a model scores only by what its embeddings relate
             self.dataset = DatasetDict({"test": Dataset.from_dict({
                 "text": [r["positive"] for r in pairs],
                 "human_summaries": [[r["query"]] for r in pairs],
-                "machine_summaries": [[r["query"], pairs[(i + n // 2) % n]["query"]] for i, r in enumerate(pairs)],
+                "machine_summaries": [[r["positive"].strip().split("\n", 1)[0], pairs[(i + n // 2) % n]["query"]]
+                                      for i, r in enumerate(pairs)],
                 "relevance": [[1, 0] for _ in pairs],
             })})
             self.data_loaded = True
@@ -178,8 +211,14 @@ def stdlib_tasks(rows: list[dict], *, prefix: str = "Stdlib") -> list:
                 {"sentence1": [r["query"] for r in pairs], "sentence2": [r["positive"] for r in pairs]})})
             self.data_loaded = True
 
-    return [cls() for cls in (Retrieval, Reranking, InstructionReranking, STS, PairClassification, Classification,
-                              MultilabelClassification, Clustering, Summarization, BitextMining)]
+    kinds = [Retrieval, Reranking, InstructionReranking, STS, PairClassification, Classification,
+             MultilabelClassification, Clustering, Summarization, BitextMining]
+    if not has_modules:
+        labelled = (Classification, MultilabelClassification, Clustering)
+        warnings.warn("the local-task rows have no 'module' labels: left out "
+                      + ", ".join(k.metadata.name for k in labelled), stacklevel=2)
+        kinds = [k for k in kinds if k not in labelled]
+    return [cls() for cls in kinds]
 
 
 def long_document_task(queries: list[str], documents: list[str], name: str = "LocalLongDocRetrieval"):

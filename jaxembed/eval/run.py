@@ -45,8 +45,17 @@ def resolve_tasks(benchmark: str | None, tasks: str | None, local_tasks: str | N
     path = Path(local_tasks)
     if not path.is_file():
         raise ValueError(f"--local-tasks: {path} is not a file (build one with `jaxembed corpus stdlib DIR`)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return stdlib_tasks(rows), None
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--local-tasks {path}, line {number}: not JSON ({err.msg})") from None
+    try:
+        return stdlib_tasks(rows), None
+    except ValueError as err:
+        raise ValueError(f"--local-tasks {path}: {err}") from None
 
 
 def check_data(tasks) -> None:
@@ -92,6 +101,17 @@ def write_summary(model_name: str, scores, benchmark: str | None, output: Path, 
     return table
 
 
+def evaluation_identity(model, args, max_length) -> str:
+    """The mteb cache revision of a run: the model's fingerprint (its config and every tensor) and
+    the settings that change its embeddings, hashed. Two different models, or one model under
+    other settings, never share cached results; the same model and settings reuse them."""
+    import xxhash
+
+    what = {"model": model.fingerprint, "dtype": str(args.dtype), "template": args.template,
+            "instructions": args.instructions, "max_length": max_length, "query_template": model.query_template}
+    return "fp-" + xxhash.xxh3_64_hexdigest(json.dumps(what, sort_keys=True).encode())
+
+
 def cmd_eval(args) -> int:
     import sys
 
@@ -108,7 +128,8 @@ def cmd_eval(args) -> int:
         max_length = LONGEMBED_MAX_TOKENS if benchmark == LONGEMBED else MTEB_MAX_TOKENS
     model = jaxembed.load(args.model, dtype=args.dtype, tokenizer=args.tokenizer)
     name = args.name or f"jaxembed/{Path(args.model).resolve().name}"
-    encoder = MtebEncoder(model, name=name, revision=args.revision, max_length=max_length or None,
+    revision = args.revision or evaluation_identity(model, args, max_length)
+    encoder = MtebEncoder(model, name=name, revision=revision, max_length=max_length or None,
                           batch_size=args.batch_size, instructions=args.instructions, template=args.template,
                           show_progress_bar=not args.quiet)
     output = Path(args.output)

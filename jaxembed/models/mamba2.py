@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed import kernels, weights
-from jaxembed.errors import ConfigError, check_positive_int
+from jaxembed.errors import ConfigError, check_positive_int, check_token_ids
 from jaxembed.runtime import Runtime
 
 F32 = jnp.float32
@@ -68,6 +68,7 @@ class Mamba2Config:
                      "chunk_size"):
             check_positive_int(name, getattr(self, name), error=ConfigError)
             object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints -> int: hashable, JSON
+        check_token_ids(self)
         if len(self.dt_limit) != 2:
             raise ConfigError(f"dt_limit must be (low, high), got {self.dt_limit!r}")
         object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed import kernels, weights
-from jaxembed.errors import ConfigError, check_positive_int
+from jaxembed.errors import ConfigError, check_positive_int, check_token_ids
 from jaxembed.ops import wkv7
 from jaxembed.runtime import Runtime
 
@@ -88,8 +88,7 @@ class RWKV7Config:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
                 raise ConfigError(f"{name} must be a float in (0, 1), got {value!r}")
             object.__setattr__(self, name, float(value))
-        if self.eos_token_id is not None and (not isinstance(self.eos_token_id, int) or self.eos_token_id < 0):
-            raise ConfigError(f"eos_token_id must be a non-negative int or None, got {self.eos_token_id!r}")
+        check_token_ids(self)
 
     @property
     def n_heads(self) -> int:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from jaxembed import kernels as kernel_backends
 from jaxembed import weights
-from jaxembed.errors import ConfigError, check_positive_int
+from jaxembed.errors import ConfigError, check_positive_int, check_token_ids
 from jaxembed.ops import attention as ops_attention
 from jaxembed.runtime import Runtime
 
@@ -63,6 +63,7 @@ class TransformerConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "chunk_size"):
             check_positive_int(name, getattr(self, name), error=ConfigError)
             object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints -> int: hashable, JSON
+        check_token_ids(self)
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads = {self.n_heads} is not a multiple of n_kv_heads = {self.n_kv_heads}")
         if self.head_dim is None:

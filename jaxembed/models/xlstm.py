@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed import kernels, weights
-from jaxembed.errors import ConfigError, check_positive_int
+from jaxembed.errors import ConfigError, check_positive_int, check_token_ids
 from jaxembed.ops import mlstm
 from jaxembed.runtime import Runtime
 
@@ -103,10 +103,7 @@ class XLSTMConfig:
         for name in ("use_bias", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("eos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ConfigError(f"{name} must be a token id (int >= 0) or None, got {value!r}")
+        check_token_ids(self)
         if self.weight_mode not in ("single", "fused"):
             raise ConfigError(f"weight_mode must be 'single' or 'fused', got {self.weight_mode!r}")
         for name, dim in (("qk_dim", self.qk_dim), ("v_dim", self.v_dim)):

@@ -54,7 +54,7 @@ def load_model(cfg: TrainConfig):
     m = cfg.model
     settings = {}
     if m.path is not None:
-        config, params, settings, directory = checkpoint.open_model(m.path)
+        config, params, settings, directory, _ = checkpoint.open_model(m.path)
         tokenizer = _tokenizer(m.tokenizer, directory)
     else:
         config = load_config(m.init)
@@ -317,10 +317,10 @@ class Trainer:
         params = self.merged_params()
         if jax.process_index() != 0:
             return None
-        out = checkpoint.save(directory, self.config, params, embedder={"query_template": self.query_template},
-                              source=f"jaxembed train ({self.cfg.model.path or self.cfg.model.init})")
-        self.tokenizer.save_pretrained(out)
-        return out
+        # the run's own output: replaced (atomically) by each export
+        return checkpoint.save(directory, self.config, params, embedder={"query_template": self.query_template},
+                               source=f"jaxembed train ({self.cfg.model.path or self.cfg.model.init})",
+                               tokenizer=self.tokenizer, overwrite=True)
 
 
 def expand_globs(patterns) -> list[str]:

@@ -1,0 +1,256 @@
+"""Nothing silently wrong: a damaged checkpoint is refused by name (three families), an existing
+artefact is replaced only on request and atomically (SIGKILL at random points leaves the old or
+the new, complete), evaluation results are keyed by what was evaluated, and bad input is one
+clear line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxembed import checkpoint, models
+from jaxembed.config import config_from_dict
+from jaxembed.errors import ConfigError, ConversionError
+
+TINY = {
+    "mamba2": dict(architecture="mamba2", vocab_size=64, d_model=32, n_layers=2, d_state=8, head_dim=8, n_groups=1,
+                   chunk_size=16),
+    "rwkv7": dict(architecture="rwkv7", vocab_size=64, d_model=32, n_layers=2, head_size=16, decay_low_rank=8,
+                  a_low_rank=8, v_low_rank=8, gate_low_rank=8, chunk_size=16),
+    "xlstm": dict(architecture="xlstm", vocab_size=64, d_model=32, n_layers=2, n_heads=2, chunk_size=16),
+}
+
+
+def _save(directory: Path, family: str, seed: int = 0, **kw) -> Path:
+    cfg = config_from_dict(TINY[family])
+    params = models.family(cfg).init_params(cfg, jax.random.key(seed))
+    return checkpoint.save(directory, cfg, params, **kw)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return {f: _save(tmp_path_factory.mktemp(f) / "ckpt", f, seed=i) for i, f in enumerate(TINY)}
+
+
+def _largest_file(root: Path) -> Path:
+    return max((p for p in (root / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _damage(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "flip":  # 400 bytes inverted in the middle, size unchanged
+        mid = len(data) // 2
+        for i in range(max(0, mid - 200), min(len(data), mid + 200)):
+            data[i] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif how == "truncate":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    else:  # zero: the same size, all zeros
+        path.write_bytes(bytes(len(data)))
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "zero"])
+@pytest.mark.parametrize("family", list(TINY))
+def test_a_damaged_checkpoint_is_refused_by_name(saved, family, how, tmp_path):
+    copy = tmp_path / "ckpt"
+    shutil.copytree(saved[family], copy)
+    checkpoint.load(copy)  # intact: loads, checksums verified
+    _damage(_largest_file(copy), how)
+    with pytest.raises(ConversionError, match=r"corrupt|damaged or incomplete") as err:
+        checkpoint.load(copy)
+    message = str(err.value)
+    assert str(copy) in message and len(message) < 600 and "kvstore" not in message  # no TensorStore spec dump
+
+
+def test_a_checkpoint_records_a_checksum_per_tensor_and_an_identity(saved, tmp_path):
+    import json
+
+    manifest = json.loads((saved["mamba2"] / checkpoint.MANIFEST).read_text())
+    tensors = manifest["checksums"]["tensors"]
+    assert manifest["checksums"]["algorithm"] == "xxh3_128" and "layers/in_proj" in tensors and "embedding" in tensors
+    cfg, _, _, ident = checkpoint.load(saved["mamba2"])
+    again = _save(tmp_path / "again", "mamba2", seed=0)
+    other = _save(tmp_path / "other", "mamba2", seed=5)
+    assert checkpoint.load(again)[3] == ident != checkpoint.load(other)[3]  # same weights, same identity
+
+
+def test_unknown_manifest_keys_and_bad_token_ids_are_errors(saved, tmp_path):
+    import json
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(saved["mamba2"], copy)
+    manifest = json.loads((copy / checkpoint.MANIFEST).read_text())
+    manifest["embedder"]["query_tempalte"] = "typo {prompt}"
+    (copy / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ConversionError, match=r"unknown 'embedder' settings \['query_tempalte'\]"):
+        checkpoint.load(copy)
+    with pytest.raises(ConfigError, match=r"eos_token_id must be a token id in \[0, vocab_size = 64\)"):
+        config_from_dict({**TINY["mamba2"], "eos_token_id": 64})
+
+
+def test_existing_outputs_are_replaced_only_on_request(tmp_path):
+    first = _save(tmp_path / "ckpt", "mamba2", seed=0)
+    ident = checkpoint.load(first)[3]
+    with pytest.raises(ConversionError, match="already there; pass --overwrite"):
+        _save(tmp_path / "ckpt", "mamba2", seed=1)
+    assert checkpoint.load(first)[3] == ident
+    _save(tmp_path / "ckpt", "mamba2", seed=1, overwrite=True)
+    assert checkpoint.load(first)[3] != ident
+    unrelated = tmp_path / "photos"
+    unrelated.mkdir()
+    (unrelated / "cat.jpg").write_bytes(b"meow")
+    with pytest.raises(ConversionError, match="not empty and not a jaxembed checkpoint"):
+        _save(unrelated, "mamba2", overwrite=True)
+    assert sorted(p.name for p in unrelated.iterdir()) == ["cat.jpg"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left behind
+
+
+KILL_WORKER = textwrap.dedent("""
+    import sys, jax
+    sys.path.insert(0, {tests!r})
+    from test_integrity import _save
+    from jaxembed import checkpoint
+    kind, target = sys.argv[1], sys.argv[2]
+    if kind == "checkpoint":
+        print("ready", flush=True)
+        _save(__import__("pathlib").Path(target), "rwkv7", seed=1, overwrite=True)
+    else:
+        import numpy as np
+        from jaxembed.cli import write_atomically
+        emb = np.random.default_rng(1).standard_normal((4000, 256)).astype(np.float32)
+        print("ready", flush=True)
+        write_atomically(__import__("pathlib").Path(target), lambda f: np.save(f, emb))
+    print("done", flush=True)
+""")
+
+
+def _kill_at_random_points(kind: str, target: Path, points: int, seed: int) -> list[str]:
+    """Run the worker `points` times, SIGKILL each after a random delay inside its write; returns
+    how each run ended ('killed' or 'finished')."""
+    script = target.parent / "kill_worker.py"
+    script.write_text(KILL_WORKER.format(tests=str(Path(__file__).parent)))
+    rng = np.random.default_rng(seed)
+    ends, full = [], None
+    for i in range(points + 1):
+        proc = subprocess.Popen([sys.executable, str(script), kind, str(target)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        t0 = time.perf_counter()
+        if i == 0:  # the first run finishes: it times the write, and the kills spread over it
+            assert proc.stdout.readline().strip() == "done" and proc.wait(timeout=120) == 0
+            full = time.perf_counter() - t0
+            continue
+        time.sleep(rng.uniform(0, 1.2 * full))
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        ends.append("killed" if proc.returncode == -signal.SIGKILL else "finished")
+    return ends
+
+
+def test_sigkill_during_a_checkpoint_write_leaves_the_old_or_the_new(tmp_path):
+    """`convert` and the trainer's `export` both write through `checkpoint.save`."""
+    target = _save(tmp_path / "ckpt", "rwkv7", seed=0)
+    old = checkpoint.load(target)[3]
+    new = checkpoint.load(_save(tmp_path / "reference", "rwkv7", seed=1))[3]
+    ends = _kill_at_random_points("checkpoint", target, points=10, seed=0)
+    assert ends.count("killed") >= 5, ends
+    assert checkpoint.load(target)[3] in (old, new)  # complete and verified, whichever it is
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.")]
+    for p in leftovers:  # temporaries of killed writes, never the published checkpoint
+        assert p.name.startswith((".ckpt.tmp-", ".ckpt.old-"))
+
+
+def test_sigkill_during_embed_output_leaves_the_old_or_the_new(tmp_path):
+    target = tmp_path / "emb.npy"
+    old = np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.save(target, old)
+    new = np.random.default_rng(1).standard_normal((4000, 256)).astype(np.float32)
+    ends = _kill_at_random_points("embed", target, points=10, seed=1)
+    assert ends.count("killed") >= 5, ends
+    got = np.load(target)
+    assert np.array_equal(got, new) or np.array_equal(got, old)
+
+
+def test_evaluation_results_are_keyed_by_the_model(saved, tmp_path):
+    """Two different models saved under the same folder name get different mteb revisions; the same
+    model and settings get the same one (so its cached results are reused, and only then)."""
+    from types import SimpleNamespace
+
+    from jaxembed.embedder import Embedder
+    from jaxembed.eval.run import evaluation_identity
+
+    def embedder(path):
+        cfg, params, settings, ident = checkpoint.load(path)
+        return Embedder(params, cfg, fingerprint=ident)
+
+    args = SimpleNamespace(dtype=None, template=None, instructions="paper")
+    a = _save(tmp_path / "a" / "model", "mamba2", seed=0)
+    b = _save(tmp_path / "b" / "model", "mamba2", seed=9)
+    ra, rb = (evaluation_identity(embedder(p), args, 512) for p in (a, b))
+    assert ra != rb and ra == evaluation_identity(embedder(a), args, 512)
+    assert evaluation_identity(embedder(a), SimpleNamespace(**{**vars(args), "dtype": "bfloat16"}), 512) != ra
+    cfg, params, _, ident = checkpoint.load(a)
+    assert Embedder(params, cfg).fingerprint == ident  # computed from the params when not recorded
+
+
+def test_load_refuses_what_it_cannot_use(tmp_path):
+    import jaxembed
+
+    with pytest.raises(TypeError, match="model path"):
+        jaxembed.load(None)
+    with pytest.raises(ValueError, match="dtype must be None, 'float32' or 'bfloat16'"):
+        jaxembed.load(tmp_path, dtype="float8")
+
+
+def test_cli_errors_are_one_line_naming_file_and_line(saved, tmp_path, capsys):
+    from jaxembed.cli import main
+
+    bad = tmp_path / "texts.txt"
+    bad.write_bytes(b"fine\nalso fine\nbroken \xff here\n")
+    assert main(["embed", str(bad), "--model", str(saved["mamba2"]), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"jaxembed embed: error: {bad}, line 3: not valid UTF-8 (byte 0xff at column 8)\n"
+    copy = tmp_path / "damaged"
+    shutil.copytree(saved["mamba2"], copy)
+    _damage(_largest_file(copy), "truncate")
+    (tmp_path / "ok.txt").write_text("x\n")
+    assert main(["embed", str(tmp_path / "ok.txt"), "--model", str(copy), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxembed embed: error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_mistyped_local_path_is_not_sent_to_the_hub(tmp_path, monkeypatch):
+    from jaxembed.convert.sources import resolve
+
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConversionError, match=r"runs/modle: no such directory in runs/ \(not looked up"):
+        resolve("runs/modle")
+
+
+def test_non_finite_embeddings_are_one_line_from_the_cli(tmp_path, capsys):
+    """NaN weights (recorded as written, so the checksums agree) still cannot pass: the embeddings
+    are checked, and the CLI reports it as one line, exit 2."""
+    from jaxembed.cli import main
+    from jaxembed.testing import make_tokenizer
+
+    tok = make_tokenizer(128)
+    cfg = config_from_dict({**TINY["mamba2"], "vocab_size": len(tok)})
+    params = models.family(cfg).init_params(cfg, jax.random.key(0))
+    params["norm_f"] = params["norm_f"] * float("nan")
+    model = checkpoint.save(tmp_path / "nan", cfg, params, tokenizer=tok)
+    (tmp_path / "t.txt").write_text("hello\n")
+    assert main(["embed", str(tmp_path / "t.txt"), "--model", str(model), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxembed embed: error: the embeddings of 1 of 1 inputs are not finite") and err.count(
+        "\n") == 1
