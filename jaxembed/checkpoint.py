@@ -45,6 +45,21 @@ def tensor_checksums(params) -> dict[str, str]:
     return out
 
 
+def file_checksums(root: Path) -> dict[str, str]:
+    """{"params/_METADATA": hex digest, ...} for every file under root/params."""
+    import xxhash
+
+    out = {}
+    for path in sorted((root / "params").rglob("*")):
+        if path.is_file():
+            digest = xxhash.xxh3_128()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(block)
+            out[path.relative_to(root).as_posix()] = digest.hexdigest()
+    return out
+
+
 def fingerprint(config, checksums: dict[str, str]) -> str:
     """A model's identity: its config and every tensor's checksum, hashed (32 hex digits)."""
     import xxhash
@@ -91,7 +106,8 @@ def save(directory, config, params, *, embedder: dict | None = None, source: str
             "config": config.to_dict(),
             "embedder": embedder or {},
             "source": source,
-            "checksums": {"algorithm": CHECKSUM, "tensors": tensor_checksums(params)},
+            # files: every byte orbax wrote, checked before reading; tensors: the model's identity
+            "checksums": {"algorithm": CHECKSUM, "files": file_checksums(tmp), "tensors": tensor_checksums(params)},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _fsync_tree(tmp)
@@ -144,9 +160,10 @@ def _rename_exchange(a: Path, b: Path) -> bool:
 def load(directory, *, verify: bool = True):
     """(config, params, embedder settings, fingerprint) from a converted directory.
 
-    Every tensor's shape is checked against the config, and with `verify` (the default) its
-    checksum against the manifest: a damaged file is an error that names the tensor, never a
-    model that embeds garbage.
+    With `verify` (the default) every file of params/ is checked against the checksums recorded
+    when it was written, before anything is read: a damaged, truncated, missing or extra file is
+    an error that names it, never a model that embeds garbage. Every tensor's shape is checked
+    against the config.
     """
     from jaxembed import models
     from jaxembed.errors import ConfigError, ConversionError
@@ -171,6 +188,9 @@ def load(directory, *, verify: bool = True):
         raise ConversionError(f"{directory / MANIFEST}: not a valid jaxembed manifest ({err})") from None
     if not (directory / "params").is_dir():
         raise ConversionError(f"{directory}: no params/ checkpoint next to {MANIFEST}")
+    checksums = manifest.get("checksums") or {}
+    if verify and checksums.get("files"):
+        _verify_files(directory, checksums["files"])
     try:
         params = ocp.StandardCheckpointer().restore(directory / "params")
     except Exception as err:  # orbax/TensorStore errors carry a long spec: keep its first sentence
@@ -180,12 +200,12 @@ def load(directory, *, verify: bool = True):
     problems = _shape_problems(params, models.family(config).param_shapes(config))
     if problems:
         raise ConversionError(f"{directory}: params do not match {MANIFEST}'s config:\n  " + "\n  ".join(problems))
-    recorded = (manifest.get("checksums") or {}).get("tensors")
+    recorded = checksums.get("tensors")
     if recorded is None:
-        warnings.warn(f"{directory}: no tensor checksums in {MANIFEST} (written by an older jaxembed); its integrity "
+        warnings.warn(f"{directory}: no checksums in {MANIFEST} (written by an older jaxembed); its integrity "
                       "cannot be checked; convert it again to add them", stacklevel=2)
         return config, params, settings, None
-    if verify:
+    if verify and not checksums.get("files"):  # no file checksums to have checked: check the tensors
         actual = tensor_checksums(params)
         bad = [name for name in sorted(set(recorded) | set(actual)) if recorded.get(name) != actual.get(name)]
         if bad:
@@ -193,6 +213,21 @@ def load(directory, *, verify: bool = True):
                                   f"checksums recorded when it was written: {', '.join(bad[:6])}"
                                   + (" ..." if len(bad) > 6 else ""))
     return config, params, settings, fingerprint(config, recorded)
+
+
+def _verify_files(directory: Path, recorded: dict[str, str]) -> None:
+    from jaxembed.errors import ConversionError
+
+    actual = file_checksums(directory)
+    missing = sorted(set(recorded) - set(actual))
+    extra = sorted(set(actual) - set(recorded))
+    changed = sorted(name for name in set(recorded) & set(actual) if recorded[name] != actual[name])
+    problems = ([f"changed: {', '.join(changed[:6])}"] if changed else []) + (
+        [f"missing: {', '.join(missing[:6])}"] if missing else []) + ([f"unexpected: {', '.join(extra[:6])}"]
+                                                                      if extra else [])
+    if problems:
+        raise ConversionError(f"{directory}: the checkpoint is corrupt: its files differ from the checksums recorded "
+                              f"when it was written ({'; '.join(problems)})")
 
 
 OPTIONAL_PARAMS = ("lm_head",)  # a base model without its language-model head embeds just the same

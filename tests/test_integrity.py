@@ -46,6 +46,16 @@ def _largest_file(root: Path) -> Path:
     return max((p for p in (root / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
+def _file_kinds(root: Path) -> dict[str, Path]:
+    """One file of each kind in a checkpoint: the manifest, orbax's metadata files, its ocdbt
+    manifests and the largest data file."""
+    kinds = {"jaxembed.json": root / checkpoint.MANIFEST, "data": _largest_file(root)}
+    for path in sorted((root / "params").rglob("*")):
+        if path.is_file() and "/d/" not in path.as_posix():
+            kinds.setdefault(path.relative_to(root).as_posix(), path)
+    return kinds
+
+
 def _damage(path: Path, how: str) -> None:
     data = bytearray(path.read_bytes())
     if how == "flip":  # 400 bytes inverted in the middle, size unchanged
@@ -62,14 +72,29 @@ def _damage(path: Path, how: str) -> None:
 @pytest.mark.parametrize("how", ["flip", "truncate", "zero"])
 @pytest.mark.parametrize("family", list(TINY))
 def test_a_damaged_checkpoint_is_refused_by_name(saved, family, how, tmp_path):
-    copy = tmp_path / "ckpt"
-    shutil.copytree(saved[family], copy)
-    checkpoint.load(copy)  # intact: loads, checksums verified
-    _damage(_largest_file(copy), how)
-    with pytest.raises(ConversionError, match=r"corrupt|damaged or incomplete") as err:
-        checkpoint.load(copy)
-    message = str(err.value)
-    assert str(copy) in message and len(message) < 600 and "kvstore" not in message  # no TensorStore spec dump
+    """Every kind of file of the checkpoint, flipped (400 bytes), truncated or zeroed: refused, and
+    the message names the damaged file (none loads, so none embeds)."""
+    checkpoint.load(saved[family])  # intact: loads, checksums verified
+    kinds = _file_kinds(saved[family])
+    assert len(kinds) >= 8, sorted(kinds)
+    for kind in kinds:
+        copy = tmp_path / kind.replace("/", "_")
+        shutil.copytree(saved[family], copy)
+        target = _file_kinds(copy)[kind]
+        _damage(target, how)
+        with pytest.raises(ConversionError) as err:
+            checkpoint.load(copy)
+        message = str(err.value)
+        assert str(copy) in message and len(message) < 700 and "kvstore" not in message, (kind, message)
+        named = "not a valid jaxembed manifest" if kind == "jaxembed.json" else target.relative_to(copy).as_posix()
+        assert "corrupt" in message or kind == "jaxembed.json", (kind, message)
+        assert named in message, (kind, message)
+
+
+def test_a_checkpoint_loads_again_unchanged(saved):
+    """Reading a checkpoint writes nothing into it (its files keep matching their checksums)."""
+    for _ in range(2):
+        checkpoint.load(saved["xlstm"])
 
 
 def test_a_checkpoint_records_a_checksum_per_tensor_and_an_identity(saved, tmp_path):
