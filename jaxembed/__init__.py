@@ -37,8 +37,15 @@ def load(path, *, dtype=None, tokenizer=None, chunk_size=None, query_template=No
     """
     from jaxembed import checkpoint
 
-    if dtype is not None and str(dtype) not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be None, 'float32' or 'bfloat16', got {dtype!r}")
+    if dtype is not None:
+        import jax.numpy as jnp
+
+        try:
+            ok = jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"dtype must be None, 'float32' or 'bfloat16', got {dtype!r}")
     config, params, settings, directory, fingerprint = checkpoint.open_model(path, verify=verify)
     return Embedder(
         params,

@@ -71,20 +71,25 @@ def fingerprint(config, checksums: dict[str, str]) -> str:
 def save(directory, config, params, *, embedder: dict | None = None, source: str | None = None,
          tokenizer=None, tokenizer_from: Path | None = None, overwrite: bool = False) -> Path:
     """Write a converted checkpoint atomically: params (orbax), the manifest with a checksum per
-    tensor, and the tokenizer (an object with `save_pretrained`, or the files of `tokenizer_from`),
-    all into a temporary sibling that then takes `directory`'s place in one rename.
+    file and per tensor, and the tokenizer (an object with `save_pretrained`, or the files of
+    `tokenizer_from`), all into a temporary sibling that then takes `directory`'s place.
 
     An existing non-empty `directory` is refused unless `overwrite`, and even then only if it is a
     jaxembed checkpoint; it is swapped out atomically (Linux renameat2 RENAME_EXCHANGE), so a
     kill at any point leaves either the old checkpoint or the new one complete, never a mix.
+    (Where the filesystem has no exchange, the old one is moved aside first and put back if the
+    new one cannot be moved in.) An empty directory that cannot be replaced by a rename (a mount
+    point, a parent not writable or on another device) is written in place: there is nothing old
+    to lose, and the manifest, written last, marks the checkpoint complete.
     """
     from jaxembed.errors import ConversionError
 
-    directory = Path(directory).expanduser().absolute()
+    directory = Path(directory).expanduser().resolve()  # a symlink's target is what gets replaced
+    empty = directory.is_dir() and not any(directory.iterdir())
     if directory.exists():
         if not directory.is_dir():
             raise ConversionError(f"{directory}: exists and is not a directory")
-        if any(directory.iterdir()):
+        if not empty:
             if not is_converted(directory):
                 raise ConversionError(f"{directory}: not empty and not a jaxembed checkpoint; refusing to write into "
                                       "it (choose a new or empty directory)")
@@ -92,8 +97,15 @@ def save(directory, config, params, *, embedder: dict | None = None, source: str
                 raise ConversionError(f"{directory}: a jaxembed checkpoint is already there; pass --overwrite "
                                       "(overwrite=True) to replace it")
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    in_place = empty and not _renameable(directory)
+    if not in_place and directory.exists() and not _renameable(directory):
+        raise ConversionError(f"{directory}: cannot be replaced atomically (a mount point, or its parent is not "
+                              "writable or on another device); remove its contents or choose another directory")
+    _warn_stale_temporaries(directory)
+    tmp = directory if in_place else Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
+        if not in_place:
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the model from other users
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(tmp / "params", params)
         checkpointer.wait_until_finished()
@@ -109,23 +121,55 @@ def save(directory, config, params, *, embedder: dict | None = None, source: str
             # files: every byte orbax wrote, checked before reading; tensors: the model's identity
             "checksums": {"algorithm": CHECKSUM, "files": file_checksums(tmp), "tensors": tensor_checksums(params)},
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _fsync_tree(tmp)
-        _swap_into_place(tmp, directory)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")  # last: marks it complete
+        _fsync_tree(tmp)
+        if not in_place:
+            _swap_into_place(tmp, directory)
+        _fsync_dir(directory.parent)
     finally:
-        if tmp.exists():
+        if not in_place and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _renameable(directory: Path) -> bool:
+    """Whether a sibling directory can be renamed onto `directory` (same device, writable parent)."""
+    parent = directory.parent
+    return (not os.path.ismount(directory) and os.access(parent, os.W_OK)
+            and (not directory.exists() or directory.stat().st_dev == parent.stat().st_dev))
+
+
+def _warn_stale_temporaries(directory: Path) -> None:
+    stale = sorted(p.name for p in directory.parent.glob(f".{directory.name}.tmp-*")) + sorted(
+        p.name for p in directory.parent.glob(f".{directory.name}.old-*"))
+    if stale:
+        warnings.warn(f"{directory.parent}: left by interrupted writes of {directory.name} (safe to delete when no "
+                      f"write is running): {', '.join(stale[:4])}" + (" ..." if len(stale) > 4 else ""), stacklevel=3)
+
+
 def _fsync_tree(root: Path) -> None:
     """Flush every file under root, then the directories, so the rename publishes complete data."""
-    for path in sorted(root.rglob("*"), reverse=True):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    for path in [*sorted(root.rglob("*"), reverse=True), root]:
+        _fsync_path(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    _fsync_path(path)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _swap_into_place(new: Path, target: Path) -> None:
@@ -136,11 +180,15 @@ def _swap_into_place(new: Path, target: Path) -> None:
         return
     except OSError:
         pass
-    if not _rename_exchange(new, target):  # no renameat2 here: two renames, the old kept until the end
+    if not _rename_exchange(new, target):  # no exchange here: move the old aside, and back on failure
         old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
         os.rmdir(old)
         os.rename(target, old)
-        os.rename(new, target)
+        try:
+            os.rename(new, target)
+        except OSError:
+            os.rename(old, target)
+            raise
         new = old
     shutil.rmtree(new, ignore_errors=True)
 
@@ -189,6 +237,11 @@ def load(directory, *, verify: bool = True):
     if not (directory / "params").is_dir():
         raise ConversionError(f"{directory}: no params/ checkpoint next to {MANIFEST}")
     checksums = manifest.get("checksums") or {}
+    if not isinstance(checksums, dict) or not all(isinstance(checksums.get(k, {}), dict) for k in ("files", "tensors")):
+        raise ConversionError(f"{directory / MANIFEST}: 'checksums' must map 'files' and 'tensors' to digests")
+    if checksums and checksums.get("algorithm") != CHECKSUM:
+        raise ConversionError(f"{directory / MANIFEST}: checksums by {checksums.get('algorithm')!r}; this version "
+                              f"of jaxembed checks {CHECKSUM!r}")
     if verify and checksums.get("files"):
         _verify_files(directory, checksums["files"])
     try:
@@ -218,7 +271,8 @@ def load(directory, *, verify: bool = True):
 def _verify_files(directory: Path, recorded: dict[str, str]) -> None:
     from jaxembed.errors import ConversionError
 
-    actual = file_checksums(directory)
+    actual = {name: digest for name, digest in file_checksums(directory).items()
+              if not Path(name).name.startswith(".")}  # hidden files (.DS_Store, sync tools) are not the model's
     missing = sorted(set(recorded) - set(actual))
     extra = sorted(set(actual) - set(recorded))
     changed = sorted(name for name in set(recorded) & set(actual) if recorded[name] != actual[name])

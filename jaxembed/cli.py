@@ -45,15 +45,17 @@ def _read_texts(inputs: list[str]) -> list[str]:
 
 
 def _decode_lines(stream, name: str) -> list[str]:
-    out = []
-    for number, raw in enumerate(stream, 1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{name}, line {number}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at column "
-                             f"{err.start + 1})") from None
-        out.append(line.rstrip("\n").rstrip("\r") if line.endswith("\r\n") else line.rstrip("\n"))
-    return out
+    """Lines as text mode splits them (\\n, \\r\\n or \\r), decoded as UTF-8."""
+    data = stream.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        before = data[: err.start].replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        line_start, line = before.rfind(b"\n") + 1, before.count(b"\n") + 1
+        raise ValueError(f"{name}, line {line}: not valid UTF-8 (byte 0x{data[err.start]:02x} at "
+                         f"column {len(before) - line_start + 1})") from None
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    return lines[:-1] if lines[-1] == "" else lines
 
 
 def check_output_path(path: Path, suffixes: tuple[str, ...], *, overwrite: bool) -> None:
@@ -75,6 +77,9 @@ def write_atomically(path: Path, write) -> None:
     reader (or a kill) sees the old file or the new one, complete, never a part."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)  # as a plain open() would make it (mkstemp's is 0600)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -174,7 +174,7 @@ def _kill_at_random_points(kind: str, target: Path, points: int, seed: int) -> l
             assert proc.stdout.readline().strip() == "done" and proc.wait(timeout=120) == 0
             full = time.perf_counter() - t0
             continue
-        time.sleep(rng.uniform(0, 1.2 * full))
+        time.sleep(rng.uniform(0, full))
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
@@ -188,7 +188,7 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_old_or_the_new(tmp_path):
     old = checkpoint.load(target)[3]
     new = checkpoint.load(_save(tmp_path / "reference", "rwkv7", seed=1))[3]
     ends = _kill_at_random_points("checkpoint", target, points=10, seed=0)
-    assert ends.count("killed") >= 5, ends
+    assert ends.count("killed") >= 3, ends
     assert checkpoint.load(target)[3] in (old, new)  # complete and verified, whichever it is
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.")]
     for p in leftovers:  # temporaries of killed writes, never the published checkpoint
@@ -201,7 +201,7 @@ def test_sigkill_during_embed_output_leaves_the_old_or_the_new(tmp_path):
     np.save(target, old)
     new = np.random.default_rng(1).standard_normal((4000, 256)).astype(np.float32)
     ends = _kill_at_random_points("embed", target, points=10, seed=1)
-    assert ends.count("killed") >= 5, ends
+    assert ends.count("killed") >= 3, ends
     got = np.load(target)
     assert np.array_equal(got, new) or np.array_equal(got, old)
 
@@ -279,3 +279,44 @@ def test_non_finite_embeddings_are_one_line_from_the_cli(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("jaxembed embed: error: the embeddings of 1 of 1 inputs are not finite") and err.count(
         "\n") == 1
+
+
+def test_save_through_a_symlink_keeps_the_link_and_the_umask(tmp_path):
+    real = tmp_path / "models" / "real"
+    first = _save(real, "xlstm", seed=0)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    _save(link, "xlstm", seed=1, overwrite=True)
+    assert link.is_symlink() and checkpoint.load(link)[3] == checkpoint.load(first)[3]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (real.stat().st_mode & 0o777) == (0o777 & ~mask)  # not mkdtemp's 0700
+    assert not [p for p in real.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_without_an_exchange_the_old_checkpoint_is_put_back_on_failure(tmp_path, monkeypatch):
+    target = _save(tmp_path / "ckpt", "mamba2", seed=0)
+    old = checkpoint.load(target)[3]
+    monkeypatch.setattr(checkpoint, "_rename_exchange", lambda a, b: False)
+    real_rename, calls = os.rename, []
+
+    def failing_rename(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 3:  # (new -> target: not empty), (target -> old), then new -> target fails
+            raise OSError(5, "Input/output error")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing_rename)
+    with pytest.raises(OSError):
+        _save(target, "mamba2", seed=1, overwrite=True)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert checkpoint.load(target)[3] == old
+
+
+def test_load_takes_numpy_and_jax_dtypes(saved):
+    import jax.numpy as jnp
+
+    import jaxembed
+
+    for dtype in (jnp.bfloat16, np.float32, "bfloat16"):
+        assert jaxembed.load(saved["mamba2"], dtype=dtype).params["layers"]["in_proj"].dtype == jnp.dtype(dtype)

@@ -93,6 +93,10 @@ class Trainer:
         self.mesh = sh.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, devices)
         self.shards = sh.batch_shards(self.mesh)
         t = cfg.train
+        out = Path(cfg.output).expanduser() if cfg.output else None
+        if out is not None and out.is_dir() and any(out.iterdir()) and not checkpoint.is_converted(out):
+            raise ConfigError(f"output: {out} is not empty and not a jaxembed checkpoint; the export would be refused "
+                              "at the end of training (choose a new or empty directory)")
         if t.batch_size % self.shards:
             raise ConfigError(f"train.batch_size={t.batch_size} is not a multiple of the {self.shards} batch shards "
                               f"(mesh data x fsdp)")
