@@ -9,10 +9,11 @@ import io
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from jaxembed.files import write_atomically
 
 
 def _vertical(value: str):
@@ -70,24 +71,6 @@ def check_output_path(path: Path, suffixes: tuple[str, ...], *, overwrite: bool)
         raise ValueError(f"--output {path}: directory {path.parent} is not writable")
     if path.exists() and not overwrite:
         raise ValueError(f"--output {path} exists; pass --overwrite to replace it")
-
-
-def write_atomically(path: Path, write) -> None:
-    """write(binary file) into a temporary sibling, flushed to disk, then renamed over `path`: a
-    reader (or a kill) sees the old file or the new one, complete, never a part."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.fchmod(fd, 0o666 & ~mask)  # as a plain open() would make it (mkstemp's is 0600)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def cmd_convert(args) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from jaxembed.errors import MissingDataError
 from jaxembed.eval.summary import aggregate, markdown_table
+from jaxembed.files import write_text_atomically
 
 LONGEMBED = "LongEmbed"
 LONGEMBED_MAX_TOKENS = 32768  # the paper's LongEmbed setting (Mistral's context)
@@ -93,8 +94,8 @@ def write_summary(model_name: str, scores, benchmark: str | None, output: Path, 
     output.mkdir(parents=True, exist_ok=True)
     table = markdown_table(model_name, scores, benchmark)
     calls = [c.__dict__ for c in encoder.calls]
-    (output / "summary.md").write_text(f"# {model_name}: {benchmark or 'selected tasks'}\n\n{table}")
-    (output / "summary.json").write_text(json.dumps(
+    write_text_atomically(output / "summary.md", f"# {model_name}: {benchmark or 'selected tasks'}\n\n{table}")
+    write_text_atomically(output / "summary.json", json.dumps(
         {"model": model_name, "benchmark": benchmark,
          "scores": {k: {"type": t, "main_score": s} for k, (t, s) in scores.items()},
          **aggregate(scores), "encode_calls": calls}, indent=2))
