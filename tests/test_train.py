@@ -12,6 +12,7 @@ from conftest import rel_err
 
 from jaxembed import models, schedule
 from jaxembed.config import Mamba2Config
+from jaxembed.errors import ConfigError
 from jaxembed.models.transformer import TransformerConfig
 from jaxembed.train import lora as lora_lib
 from jaxembed.train.loss import info_nce
@@ -149,3 +150,63 @@ def test_lora_config_errors():
         lora_lib.LoraConfig(rank=0)
     with pytest.raises(ValueError, match="NF4 quantises matrices"):
         quantize_nf4(jnp.ones(7))
+
+
+def test_in_batch_negatives_only_train():
+    """negatives_per_query 0 (the other queries' positives are the only negatives): the batch has
+    neg_ids [B, 0, L]; GradCache equals the full batch, and AdamW steps on it lower the loss."""
+    import optax
+
+    cfg, params, lora, adapters, batch = _tiny_setup(k=0)
+    assert batch["neg_ids"].shape[:2] == (8, 0)
+    f = jax.jit(loss_and_grads, static_argnums=3)
+    loss_full, g_full = f(adapters, params, batch, StepConfig(cfg, lora, grad_cache_size=None, remat=False))
+    loss_gc, g_gc = f(adapters, params, batch, StepConfig(cfg, lora, grad_cache_size=2, remat=True))
+    assert abs(float(loss_gc) - float(loss_full)) <= 1e-6 * abs(float(loss_full))
+    assert all(rel_err(gc, full) < 1e-5 for full, gc in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_gc),
+                                                               strict=True))
+    sc = StepConfig(cfg, lora, grad_cache_size=4, remat=True)
+    optimizer = optax.adam(3e-3)
+    state = optimizer.init(adapters)
+    losses = []
+    for _ in range(8):
+        loss, grads = f(adapters, params, batch, sc)
+        updates, state = optimizer.update(grads, state, adapters)
+        adapters = optax.apply_updates(adapters, updates)
+        losses.append(float(loss))
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_full_parameter_training_lowers_the_loss():
+    """`lora: null`: no adapters, every param a float32 master (LoraConfig.full); the loss falls, and
+    the merged params are the trained masters cast back to the stored dtype."""
+    import optax
+
+    cfg, params, _, _, batch = _tiny_setup(k=1)
+    lora = lora_lib.LoraConfig.full(params)
+    assert lora.target_names(cfg) == () and set(lora.modules_to_save) >= {"embedding", "in_proj", "norm_f"}
+    trained = lora_lib.init_adapters(cfg, params, lora, jax.random.key(0))
+    assert trained["layers"] == {} and set(trained["saved"]["layers"]) == set(params["layers"])
+    f = jax.jit(loss_and_grads, static_argnums=3)
+    sc = StepConfig(cfg, lora, grad_cache_size=4, remat=True)
+    optimizer = optax.adam(3e-3)
+    state = optimizer.init(trained)
+    losses = []
+    for _ in range(6):
+        loss, grads = f(trained, params, batch, sc)
+        assert float(jnp.linalg.norm(grads["saved"]["layers"]["in_proj"])) > 0
+        updates, state = optimizer.update(grads, state, trained)
+        trained = optax.apply_updates(trained, updates)
+        losses.append(float(loss))
+    assert losses[-1] < 0.8 * losses[0], losses
+    merged = lora_lib.merge(params, trained, lora)
+    assert float(jnp.abs(merged["layers"]["in_proj"] - params["layers"]["in_proj"]).max()) > 0
+
+
+def test_full_training_config():
+    from jaxembed.train.config import config_from_dict
+
+    base = {"model": {"init": "configs/models/tiny-train-mamba2.yaml"}, "data": {"train": ["x.jsonl"]}}
+    assert config_from_dict({**base, "lora": None}).lora is None
+    with pytest.raises(ConfigError, match="with lora: null .* set quantization: null"):
+        config_from_dict({**base, "lora": None, "quantization": "nf4"})

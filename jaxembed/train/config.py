@@ -2,7 +2,7 @@
 
     model:       {path | init, tokenizer, dtype, kernels, chunk_size, seed}
     data:        {train, heldout, negatives_per_query, max_tokens, query_template, instructions}
-    lora:        {rank, alpha, targets, modules_to_save}
+    lora:        {rank, alpha, targets, modules_to_save} | null (full-parameter training)
     quantization: null | nf4
     train:       {batch_size, grad_cache_size, remat, learning_rate, warmup_steps, weight_decay,
                   temperature, epochs, max_steps, seed}
@@ -104,7 +104,7 @@ class DistributedSection:
 class TrainConfig:
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
-    lora: LoraSection = LoraSection()
+    lora: LoraSection | None = LoraSection()  # null: full-parameter training (every param, float32 masters)
     quantization: str | None = None
     train: TrainSection = TrainSection()
     mesh: MeshSection = MeshSection()
@@ -123,6 +123,9 @@ class TrainConfig:
             raise ConfigError("data.train: no training files given")
         if self.quantization not in (None, "nf4"):
             raise ConfigError(f"quantization must be null or 'nf4', got {self.quantization!r}")
+        if self.lora is None and self.quantization is not None:
+            raise ConfigError("quantization: nf4 (QLoRA) trains LoRA adapters on a frozen 4-bit base; with lora: null "
+                              "(full-parameter training) set quantization: null")
         if self.model.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"model.dtype must be float32 or bfloat16, got {self.model.dtype!r}")
         if "{prompt}" not in self.data.query_template:

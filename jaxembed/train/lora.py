@@ -57,10 +57,18 @@ class LoraConfig:
         if self.targets == "all":
             return tuple(linear_params)
         unknown = sorted(set(self.targets) - set(linear_params))
+        if not self.targets and self.modules_to_save:
+            return ()  # no adapters: the params in modules_to_save train in full (see `full`)
         if unknown or not self.targets:
             raise ValueError(f"lora targets {unknown or '[]'} are not linear layers of {config.architecture}; "
                              f"choose from {list(linear_params)} or 'all'")
         return tuple(self.targets)
+
+    @classmethod
+    def full(cls, params) -> LoraConfig:
+        """Full-parameter training (`lora: null`): no adapters, every param a float32 master."""
+        names = [k for k in params if k != "layers"] + list(params["layers"])
+        return cls(rank=1, alpha=1.0, targets=(), modules_to_save=tuple(names))
 
     def saved_paths(self, config, params) -> tuple[tuple[str, ...], ...]:
         """modules_to_save as paths into params: ("embedding",) or ("layers", "A_log")."""

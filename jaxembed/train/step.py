@@ -64,15 +64,16 @@ def _texts(batch):
     """All texts of a batch as one [N, L] block, N = B (2 + k): queries, positives, then negatives
     (query-major). One embedding program per step instead of three: a third of the compile time
     and launches, for padding the queries to the documents' length."""
-    b, k, _ = batch["neg_ids"].shape
-    ids = jnp.concatenate([batch["query_ids"], batch["pos_ids"], batch["neg_ids"].reshape(b * k, -1)])
+    b, k, L = batch["neg_ids"].shape  # k = 0: in-batch negatives only (no -1 in a reshape of nothing)
+    ids = jnp.concatenate([batch["query_ids"], batch["pos_ids"], batch["neg_ids"].reshape(b * k, L)])
     lengths = jnp.concatenate([batch["query_len"], batch["pos_len"], batch["neg_len"].reshape(b * k)])
     return ids, lengths
 
 
 def _triples(embeddings, b: int):
     """[N, d] embeddings of `_texts` -> (queries [B, d], positives [B, d], negatives [B, k, d])."""
-    return embeddings[:b], embeddings[b : 2 * b], embeddings[2 * b :].reshape(b, -1, embeddings.shape[-1])
+    n, d = embeddings.shape
+    return embeddings[:b], embeddings[b : 2 * b], embeddings[2 * b :].reshape(b, (n - 2 * b) // b, d)
 
 
 def embed_texts(adapters, base, ids, lengths, sc: StepConfig):
@@ -99,7 +100,7 @@ def _split(x, n_sub: int, sharding=None):
 
 def _merge(x):
     """The inverse of _split: [n_sub, m, ...] -> [N, ...]."""
-    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+    return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def grad_cache_loss_and_grads(adapters, base, batch, sc: StepConfig, sub_batch_sharding=None):

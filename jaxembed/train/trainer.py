@@ -109,7 +109,11 @@ class Trainer:
                        else self.config.eos_token_id)
         self.query_template = cfg.data.query_template
         try:
-            self.lora = lora_lib.LoraConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.lora.modules_to_save)
+            if cfg.lora is None:  # full-parameter training: every param trains, as a float32 master
+                self.lora = lora_lib.LoraConfig.full(self.stored_params)
+            else:
+                self.lora = lora_lib.LoraConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets,
+                                                cfg.lora.modules_to_save)
             self.lora.saved_paths(self.config, self.stored_params)  # fail early on unknown names
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -195,7 +199,7 @@ class Trainer:
         arrays = {
             "query_ids": padded[:b], "query_len": lengths[:b],
             "pos_ids": padded[b : 2 * b], "pos_len": lengths[b : 2 * b],
-            "neg_ids": padded[2 * b :].reshape(b, k, -1), "neg_len": lengths[2 * b :].reshape(b, k),
+            "neg_ids": padded[2 * b :].reshape(b, k, padded.shape[1]), "neg_len": lengths[2 * b :].reshape(b, k),
         }
         return Batch(arrays, source, int(lengths.sum()), truncated)
 
