@@ -4,6 +4,10 @@ The end-to-end runs (sharding, processes, resume, learning) are in test_train_ru
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +23,8 @@ from jaxembed.train.loss import info_nce
 from jaxembed.train.quant import nf4_levels, quantize_nf4
 from jaxembed.train.step import StepConfig, loss_and_grads
 from jaxembed.weights import linear
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_nf4_matches_bitsandbytes():
@@ -210,3 +216,32 @@ def test_full_training_config():
     assert config_from_dict({**base, "lora": None}).lora is None
     with pytest.raises(ConfigError, match="with lora: null .* set quantization: null"):
         config_from_dict({**base, "lora": None, "quantization": "nf4"})
+
+
+def test_grad_cache_auto_fits_the_step_in_memory(tmp_path):
+    """grad_cache_size: auto picks the largest GradCache size whose compiled step (memory_analysis)
+    fits the device; an explicit size that does not fit is an error naming one that does."""
+    import yaml
+
+    from jaxembed.train.config import load_train_config
+    from jaxembed.train.trainer import Trainer
+
+    rows = [{"query": f"query {i} " * 3, "positive": f"the text of document {i} " * 4, "negatives": ["other " * 5]}
+            for i in range(16)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = {"model": {"init": str(ROOT / "configs/models/tiny-train-mamba2.yaml"), "tokenizer": "stdlib-bpe:256"},
+           "data": {"train": str(tmp_path / "d.jsonl"), "negatives_per_query": 1, "max_tokens": 64},
+           "lora": {"rank": 4}, "train": {"batch_size": 8, "grad_cache_size": "auto", "max_steps": 2},
+           "checkpoint": {"directory": str(tmp_path / "ck")}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    cfg = load_train_config(tmp_path / "c.yaml")
+    roomy = Trainer(cfg, show_progress=False, memory_limit_bytes=2**40)
+    assert roomy.grad_cache_size is None  # the whole batch fits
+    full, two = roomy.step_bytes[8], roomy._step_bytes(2)
+    assert two < full
+    limit = (two + full) // 2
+    tight = Trainer(cfg, show_progress=False, memory_limit_bytes=limit)
+    assert tight.grad_cache_size in (2, 4) and tight.step_bytes[tight.grad_cache_size] <= limit < tight.step_bytes[8]
+    explicit = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_cache_size=None))
+    with pytest.raises(ConfigError, match=r"grad_cache_size=None: the step needs more .* grad_cache_size: \d+ fits"):
+        Trainer(explicit, show_progress=False, memory_limit_bytes=limit)

@@ -61,7 +61,8 @@ class LoraSection:
 @dataclasses.dataclass(frozen=True)
 class TrainSection:
     batch_size: int = 2048
-    grad_cache_size: int | None = None  # queries per GradCache sub-batch; None: whole batch at once
+    # queries per GradCache sub-batch; None: whole batch at once; "auto": the largest that fits the device
+    grad_cache_size: int | str | None = None
     remat: bool = True
     learning_rate: float = 4e-4
     warmup_steps: int = 100
@@ -136,7 +137,9 @@ class TrainConfig:
                 raise ConfigError(
                     f"train.{name} must be {'>= 0' if name == 'warmup_steps' else 'positive'}, got {getattr(t, name)}"
                 )
-        if t.grad_cache_size is not None and (t.grad_cache_size < 1 or t.batch_size % t.grad_cache_size):
+        if isinstance(t.grad_cache_size, str) and t.grad_cache_size != "auto":
+            raise ConfigError(f"train.grad_cache_size must be an int, null or 'auto', got {t.grad_cache_size!r}")
+        if isinstance(t.grad_cache_size, int) and (t.grad_cache_size < 1 or t.batch_size % t.grad_cache_size):
             raise ConfigError(f"train.grad_cache_size={t.grad_cache_size} must divide train.batch_size={t.batch_size}")
         if t.max_steps is not None and t.max_steps < 1:
             raise ConfigError(f"train.max_steps must be positive or null, got {t.max_steps}")

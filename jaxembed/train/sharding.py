@@ -95,3 +95,15 @@ def global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
 def put(tree, shardings):
     """Host or device pytree -> global arrays with the given shardings."""
     return jax.tree.map(lambda x, s: global_array(np.asarray(x), s), tree, shardings)
+
+
+def device_memory_bytes(mesh: Mesh) -> int:
+    """The memory one device of the mesh can give a step: the allocator's limit on accelerators; on
+    CPU (no allocator stats) the host's available memory shared by the local devices."""
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in mesh.devices.flat if d.process_index ==
+              jax.process_index()]
+    if limits and all(limits):
+        return int(min(limits))
+    from jaxembed.bench.measure import available_memory_mib
+
+    return int(available_memory_mib() * 2**20 / max(1, jax.local_device_count()))

@@ -86,8 +86,11 @@ class Batch:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, show_progress: bool = True, devices=None):
-        """devices: the mesh's devices (default: all devices of all processes)."""
+    def __init__(self, cfg: TrainConfig, *, show_progress: bool = True, devices=None,
+                 memory_limit_bytes: int | None = None):
+        """devices: the mesh's devices (default: all devices of all processes). memory_limit_bytes:
+        the device memory the step must fit in (default: the device's own limit; checked when
+        grad_cache_size is 'auto', or given here)."""
         self.cfg = cfg
         self.show_progress = show_progress and jax.process_index() == 0
         self.mesh = sh.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, devices)
@@ -147,21 +150,16 @@ class Trainer:
         # optimizer and step
         self.optimizer, self.lr_schedule = make_optimizer(t.learning_rate, self.total_steps,
                                                           warmup_steps=t.warmup_steps, weight_decay=t.weight_decay)
-        self.step_config = StepConfig(self.config, self.lora, t.temperature, t.grad_cache_size, t.remat,
-                                      cfg.model.kernels, self.chunk_size)
         key = jax.random.key(t.seed)
         adapters = lora_lib.init_adapters(self.config, base, self.lora, key)
         state = TrainState(jnp.zeros((), jnp.int32), adapters, self.optimizer.init(adapters),
                            jax.random.key_data(jax.random.fold_in(key, 1)))
         self.state_shardings = sh.param_shardings(state, self.mesh)
         self.state = sh.put(state, self.state_shardings)
-        self._step_fn = jax.jit(
-            partial(train_step, sc=self.step_config, optimizer=self.optimizer, lr_schedule=self.lr_schedule,
-                    sub_batch_sharding=sh.sub_batch_sharding(self.mesh)),
-            in_shardings=(self.state_shardings, self.base_shardings, None),
-            out_shardings=(self.state_shardings, sh.replicated(self.mesh)),
-            donate_argnums=0,
-        )
+        self.step_bytes: dict = {}  # grad_cache_size -> device bytes of the step at the longest batch
+        self.grad_cache_size = self._fit_grad_cache(t.grad_cache_size, memory_limit_bytes)
+        self.step_config = self._step_config(self.grad_cache_size)
+        self._step_fn = self._jit_step(self.step_config)
         self.manager = ocp.CheckpointManager(
             Path(cfg.checkpoint.directory).expanduser().absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint.keep,
@@ -169,6 +167,70 @@ class Trainer:
                                                  cleanup_tmp_directories=True),
         )
         self.truncated = 0
+
+    # ---- the step and whether it fits ------------------------------------------------------
+    def _step_config(self, grad_cache_size) -> StepConfig:
+        t = self.cfg.train
+        return StepConfig(self.config, self.lora, t.temperature, grad_cache_size, t.remat, self.cfg.model.kernels,
+                          self.chunk_size)
+
+    def _jit_step(self, sc: StepConfig):
+        return jax.jit(
+            partial(train_step, sc=sc, optimizer=self.optimizer, lr_schedule=self.lr_schedule,
+                    sub_batch_sharding=sh.sub_batch_sharding(self.mesh)),
+            in_shardings=(self.state_shardings, self.base_shardings, None),
+            out_shardings=(self.state_shardings, sh.replicated(self.mesh)),
+            donate_argnums=0,
+        )
+
+    def _step_bytes(self, grad_cache_size) -> int | None:
+        """Device bytes the step needs at the longest batch (`memory_analysis` of the compiled step:
+        temporaries + arguments + outputs), or None when compiling it already runs out of memory."""
+        b, k = self.cfg.train.batch_size, self.cfg.data.negatives_per_query
+        L = bucket_length(self.cfg.data.max_tokens, self.chunk_size)
+        shapes = {"query_ids": (b, L), "query_len": (b,), "pos_ids": (b, L), "pos_len": (b,), "neg_ids": (b, k, L),
+                  "neg_len": (b, k)}
+        batch = {key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh.batch_sharding(self.mesh, len(shape)))
+                 for key, shape in shapes.items()}
+        try:
+            compiled = self._jit_step(self._step_config(grad_cache_size)).lower(self.state, self.base, batch).compile()
+            mem = compiled.memory_analysis()
+        except Exception as err:  # XLA refuses to compile a step that cannot fit
+            if "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower():
+                self.step_bytes[grad_cache_size] = None
+                return None
+            raise
+        need = 0 if mem is None else int(mem.temp_size_in_bytes + mem.argument_size_in_bytes
+                                         + mem.output_size_in_bytes - mem.alias_size_in_bytes)
+        self.step_bytes[grad_cache_size] = need  # what was measured, for the log and tests
+        return need
+
+    def _fit_grad_cache(self, wanted, memory_limit_bytes=None):
+        """The GradCache size to run with. "auto": the largest divisor of the batch (a multiple of
+        the batch shards) whose step fits the device's memory; an explicit size (or None, the whole
+        batch) is checked the same way, and one that does not fit is an error naming one that does,
+        before the first step (not an out-of-memory at compile time). On accelerators every run is
+        checked; on CPU only "auto" or an explicit memory_limit_bytes."""
+        b = self.cfg.train.batch_size
+        if wanted != "auto" and memory_limit_bytes is None and jax.default_backend() == "cpu":
+            return wanted  # host memory: the step is not checked (a compile more per run for little)
+        limit = memory_limit_bytes if memory_limit_bytes is not None else sh.device_memory_bytes(self.mesh)
+        candidates = [g for g in range(b, 0, -1) if b % g == 0 and g % self.shards == 0]
+        if wanted != "auto":
+            need = self._step_bytes(wanted)
+            if need is not None and need <= limit:
+                return wanted
+            candidates = [g for g in candidates if g < (b if wanted is None else wanted)]  # smaller ones only
+        for g in candidates:
+            need = self._step_bytes(g)
+            if need is not None and need <= limit:
+                if wanted == "auto":
+                    return None if g == b else g
+                raise ConfigError(
+                    f"train.grad_cache_size={wanted}: the step needs more than the device's {limit / 2**30:.1f} GiB; "
+                    f"grad_cache_size: {g} fits ({need / 2**30:.2f} GiB), or set grad_cache_size: auto")
+        raise ConfigError(f"train.batch_size={b}: even one sub-batch of {candidates[-1]} queries needs more than the "
+                          f"device's {limit / 2**30:.1f} GiB; lower data.max_tokens or use a smaller model")
 
     # ---- data -------------------------------------------------------------------------
     def _plan(self, epoch: int):
