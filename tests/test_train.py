@@ -4,7 +4,6 @@ The end-to-end runs (sharding, processes, resume, learning) are in test_train_ru
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -235,13 +234,16 @@ def test_grad_cache_auto_fits_the_step_in_memory(tmp_path):
            "checkpoint": {"directory": str(tmp_path / "ck")}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
     cfg = load_train_config(tmp_path / "c.yaml")
-    roomy = Trainer(cfg, show_progress=False, memory_limit_bytes=2**40)
-    assert roomy.grad_cache_size is None  # the whole batch fits
-    full, two = roomy.step_bytes[8], roomy._step_bytes(2)
+    trainer = Trainer(cfg, show_progress=False, memory_limit_bytes=2**40)
+    assert trainer.grad_cache_size is None  # the whole batch fits
+    full, two = trainer.step_bytes[8], trainer._step_bytes(2)  # compiled steps, measured (and cached)
     assert two < full
     limit = (two + full) // 2
-    tight = Trainer(cfg, show_progress=False, memory_limit_bytes=limit)
-    assert tight.grad_cache_size in (2, 4) and tight.step_bytes[tight.grad_cache_size] <= limit < tight.step_bytes[8]
-    explicit = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_cache_size=None))
+    chosen = trainer._fit_grad_cache("auto", limit)
+    assert chosen in (2, 4) and trainer.step_bytes[chosen] <= limit < full
     with pytest.raises(ConfigError, match=r"grad_cache_size=None: the step needs more .* grad_cache_size: \d+ fits"):
-        Trainer(explicit, show_progress=False, memory_limit_bytes=limit)
+        trainer._fit_grad_cache(None, limit)
+    # the pipelined run: one row per step, metrics read back per window, throughput and input wait in them
+    steps = [r for r in trainer.run() if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["loss"]) for r in steps)
+    assert all(0 <= r["input_wait_share"] < 1 and r["tokens_per_s"] > 0 and r["mfu"] is None for r in steps)

@@ -71,6 +71,7 @@ class TrainSection:
     epochs: int = 1
     max_steps: int | None = None
     seed: int = 0
+    log_every: int = 10  # metrics read back from the device every N steps (no host sync per step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +133,7 @@ class TrainConfig:
         if "{prompt}" not in self.data.query_template:
             raise ConfigError(f"data.query_template must contain '{{prompt}}', got {self.data.query_template!r}")
         t = self.train
-        for name in ("batch_size", "epochs", "warmup_steps"):
+        for name in ("batch_size", "epochs", "warmup_steps", "log_every"):
             if getattr(t, name) < (0 if name == "warmup_steps" else 1):
                 raise ConfigError(
                     f"train.{name} must be {'>= 0' if name == 'warmup_steps' else 'positive'}, got {getattr(t, name)}"

@@ -107,3 +107,14 @@ def device_memory_bytes(mesh: Mesh) -> int:
     from jaxembed.bench.measure import available_memory_mib
 
     return int(available_memory_mib() * 2**20 / max(1, jax.local_device_count()))
+
+
+# Dense bfloat16 matmul peaks per device (datasheets, FLOP/s), by device kind: for model FLOP utilisation.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
+
+
+def peak_flops(mesh: Mesh) -> float | None:
+    """The mesh's bfloat16 peak (all devices), or None for devices not in PEAK_BF16_FLOPS (CPUs)."""
+    kind = mesh.devices.flat[0].device_kind
+    per_device = next((v for k, v in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])) if k in kind), None)
+    return None if per_device is None else per_device * mesh.devices.size

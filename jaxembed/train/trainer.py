@@ -17,6 +17,7 @@ import os
 import signal
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -157,6 +158,9 @@ class Trainer:
         self.state_shardings = sh.param_shardings(state, self.mesh)
         self.state = sh.put(state, self.state_shardings)
         self.step_bytes: dict = {}  # grad_cache_size -> device bytes of the step at the longest batch
+        self.matmul_params = sum(int(np.prod(self.stored_params["layers"][n].shape))
+                                 for n in self.family.LINEAR_PARAMS if n in self.stored_params["layers"])
+        self.peak_flops = sh.peak_flops(self.mesh)  # for model FLOP utilisation; None where unknown
         self.grad_cache_size = self._fit_grad_cache(t.grad_cache_size, memory_limit_bytes)
         self.step_config = self._step_config(self.grad_cache_size)
         self._step_fn = self._jit_step(self.step_config)
@@ -186,6 +190,8 @@ class Trainer:
     def _step_bytes(self, grad_cache_size) -> int | None:
         """Device bytes the step needs at the longest batch (`memory_analysis` of the compiled step:
         temporaries + arguments + outputs), or None when compiling it already runs out of memory."""
+        if grad_cache_size in self.step_bytes:
+            return self.step_bytes[grad_cache_size]
         b, k = self.cfg.train.batch_size, self.cfg.data.negatives_per_query
         L = bucket_length(self.cfg.data.max_tokens, self.chunk_size)
         shapes = {"query_ids": (b, L), "query_len": (b,), "pos_ids": (b, L), "pos_len": (b,), "neg_ids": (b, k, L),
@@ -320,15 +326,25 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
-        """Update `step` (0-based) on its batch; returns the log row (loss, lr, grad_norm, tokens/s, ...)."""
+        """Update `step` (0-based) on its batch, synchronously; returns the log row (loss, lr, grad_norm,
+        tokens/s, ...). `run` pipelines the same steps."""
         tick = time.perf_counter()
         batch = self.batch(step)
         self.truncated += batch.truncated
         self.state, metrics = self._step_fn(self.state, self.base, self._device_batch(batch))
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        seconds = time.perf_counter() - tick
-        return {"step": step + 1, **metrics, "tokens": batch.tokens, "tokens_per_s": batch.tokens / seconds,
-                "source": batch.source, "truncated_total": self.truncated}
+        return self._rows([(step, batch, metrics, self.truncated)], time.perf_counter() - tick, 0.0)[0]
+
+    def _rows(self, pending, seconds: float, input_wait_s: float) -> list[dict]:
+        """Log rows of the steps in `pending` [(step, batch, device metrics, truncated so far)], their
+        metrics read back in one transfer; throughput over the window of `seconds` wall time."""
+        values = jax.device_get([m for _, _, m, _ in pending])
+        tokens = sum(b.tokens for _, b, _, _ in pending)
+        flops = 6 * self.matmul_params * tokens  # model FLOPs (forward + backward), no recompute counted
+        window = {"tokens_per_s": tokens / seconds, "input_wait_share": input_wait_s / seconds,
+                  "mfu": None if self.peak_flops is None else flops / seconds / self.peak_flops}
+        return [{"step": step + 1, **{k: float(v) for k, v in m.items()}, "tokens": batch.tokens, **window,
+                 "source": batch.source, "truncated_total": truncated}
+                for (step, batch, _, truncated), m in zip(pending, values, strict=True)]
 
     def run(self) -> list[dict]:
         """Train to the end (resuming from the latest checkpoint); returns this call's log rows."""
@@ -348,16 +364,47 @@ class Trainer:
             record({"step": 0, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
         kill_after = int(os.environ.get(KILL_AFTER_STEP_ENV, "0") or 0)
         bar = tqdm(total=self.total_steps, initial=start, desc="training", unit="step", disable=not self.show_progress)
-        for step in range(start, self.total_steps):
-            row = self.train_step(step)
-            record(row)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
-            bar.update(1)
-            self.save(step + 1, force=step + 1 == self.total_steps)
-            if self.heldout and ((every and (step + 1) % every == 0) or step + 1 == self.total_steps):
-                record({"step": step + 1, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
-            if kill_after and step + 1 == kill_after:
-                os.kill(os.getpid(), signal.SIGKILL)
+        # Input pipeline: the host prepares step s+1's batch (tokenize, pad) on a thread while the
+        # device runs step s; metrics come back every train.log_every steps, not once per step.
+        # Batches are still a pure function of the step, so resuming stays exact.
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxembed-batches")
+        upcoming = pool.submit(self.batch, start) if start < self.total_steps else None
+        pending, window_start, waited = [], time.perf_counter(), 0.0
+
+        def flush():
+            nonlocal pending, window_start, waited
+            if pending:
+                for row in self._rows(pending, time.perf_counter() - window_start, waited):
+                    record(row)
+                last = rows[-1]
+                bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}", tok_s=f"{last['tokens_per_s']:.0f}",
+                                wait=f"{last['input_wait_share']:.0%}")
+            pending, window_start, waited = [], time.perf_counter(), 0.0
+
+        try:
+            for step in range(start, self.total_steps):
+                tick = time.perf_counter()
+                batch = upcoming.result()
+                waited += time.perf_counter() - tick
+                upcoming = pool.submit(self.batch, step + 1) if step + 1 < self.total_steps else None
+                self.truncated += batch.truncated
+                self.state, metrics = self._step_fn(self.state, self.base, self._device_batch(batch))
+                pending.append((step, batch, metrics, self.truncated))
+                bar.update(1)
+                last = step + 1 == self.total_steps
+                saving = self.manager.should_save(step + 1) or last
+                evaluating = self.heldout and ((every and (step + 1) % every == 0) or last)
+                if len(pending) >= self.cfg.train.log_every or saving or evaluating or step + 1 == kill_after:
+                    flush()
+                self.save(step + 1, force=last)
+                if evaluating:
+                    record({"step": step + 1, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
+                    window_start = time.perf_counter()
+                if kill_after and step + 1 == kill_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            flush()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
         self.manager.wait_until_finished()
         return rows
