@@ -160,7 +160,6 @@ def test_lora_config_errors():
 def test_in_batch_negatives_only_train():
     """negatives_per_query 0 (the other queries' positives are the only negatives): the batch has
     neg_ids [B, 0, L]; GradCache equals the full batch, and AdamW steps on it lower the loss."""
-    import optax
 
     cfg, params, lora, adapters, batch = _tiny_setup(k=0)
     assert batch["neg_ids"].shape[:2] == (8, 0)
@@ -170,39 +169,42 @@ def test_in_batch_negatives_only_train():
     assert abs(float(loss_gc) - float(loss_full)) <= 1e-6 * abs(float(loss_full))
     assert all(rel_err(gc, full) < 1e-5 for full, gc in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_gc),
                                                                strict=True))
-    sc = StepConfig(cfg, lora, grad_cache_size=4, remat=True)
-    optimizer = optax.adam(3e-3)
-    state = optimizer.init(adapters)
-    losses = []
-    for _ in range(8):
-        loss, grads = f(adapters, params, batch, sc)
-        updates, state = optimizer.update(grads, state, adapters)
-        adapters = optax.apply_updates(adapters, updates)
-        losses.append(float(loss))
+    losses, _ = _adam_steps(adapters, params, batch, StepConfig(cfg, lora, grad_cache_size=4, remat=True), 8)
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def _adam_steps(trained, params, batch, sc, steps: int, check=None):
+    """`steps` Adam updates of `trained` on one batch through loss_and_grads: (losses, trained)."""
+    import optax
+
+    f = jax.jit(loss_and_grads, static_argnums=3)
+    optimizer = optax.adam(3e-3)
+    state = optimizer.init(trained)
+    losses = []
+    for _ in range(steps):
+        loss, grads = f(trained, params, batch, sc)
+        if check:
+            check(grads)
+        updates, state = optimizer.update(grads, state, trained)
+        trained = optax.apply_updates(trained, updates)
+        losses.append(float(loss))
+    return losses, trained
 
 
 def test_full_parameter_training_lowers_the_loss():
     """`lora: null`: no adapters, every param a float32 master (LoraConfig.full); the loss falls, and
     the merged params are the trained masters cast back to the stored dtype."""
-    import optax
 
     cfg, params, _, _, batch = _tiny_setup(k=1)
     lora = lora_lib.LoraConfig.full(params)
     assert lora.target_names(cfg) == () and set(lora.modules_to_save) >= {"embedding", "in_proj", "norm_f"}
     trained = lora_lib.init_adapters(cfg, params, lora, jax.random.key(0))
     assert trained["layers"] == {} and set(trained["saved"]["layers"]) == set(params["layers"])
-    f = jax.jit(loss_and_grads, static_argnums=3)
-    sc = StepConfig(cfg, lora, grad_cache_size=4, remat=True)
-    optimizer = optax.adam(3e-3)
-    state = optimizer.init(trained)
-    losses = []
-    for _ in range(6):
-        loss, grads = f(trained, params, batch, sc)
+    def has_gradient(grads):
         assert float(jnp.linalg.norm(grads["saved"]["layers"]["in_proj"])) > 0
-        updates, state = optimizer.update(grads, state, trained)
-        trained = optax.apply_updates(trained, updates)
-        losses.append(float(loss))
+
+    losses, trained = _adam_steps(trained, params, batch, StepConfig(cfg, lora, grad_cache_size=4, remat=True), 6,
+                                  check=has_gradient)
     assert losses[-1] < 0.8 * losses[0], losses
     merged = lora_lib.merge(params, trained, lora)
     assert float(jnp.abs(merged["layers"]["in_proj"] - params["layers"]["in_proj"]).max()) > 0
