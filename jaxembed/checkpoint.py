@@ -126,7 +126,7 @@ def save(directory, config, params, *, embedder: dict | None = None, source: str
         _fsync_tree(tmp)
         if not in_place:
             _swap_into_place(tmp, directory)
-        _fsync_dir(directory.parent)
+        _fsync_path(directory.parent)
     finally:
         if not in_place and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -158,10 +158,6 @@ def _fsync_tree(root: Path) -> None:
     """Flush every file under root, then the directories, so the rename publishes complete data."""
     for path in [*sorted(root.rglob("*"), reverse=True), root]:
         _fsync_path(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    _fsync_path(path)
 
 
 def _fsync_path(path: Path) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxembed.errors import check_positive_int
-from jaxembed.kernels import check_backend, resolve
+from jaxembed.kernels import check_backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +32,3 @@ class Runtime:
         check_backend(self.kernels)
         if not isinstance(self.remat, bool):
             raise TypeError(f"remat must be a bool, got {self.remat!r}")
-
-    @property
-    def backend(self) -> str:
-        """What runs the chunked operators here: 'pallas', 'interpret' or 'xla'."""
-        return resolve(self.kernels)
