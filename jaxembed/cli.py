@@ -1,5 +1,6 @@
 """Command line: `jaxembed convert SRC DST`, `jaxembed embed --model PATH [FILES]`, `jaxembed train CONFIG.yaml`,
-`jaxembed corpus stdlib OUT_DIR`, `jaxembed eval --model PATH --benchmark NAME | --tasks A,B` and
+`jaxembed corpus stdlib|packages OUT_DIR`, `jaxembed mine IN.jsonl OUT.jsonl --negatives K` (hard negatives by BM25
+or a model), `jaxembed eval --model PATH --benchmark NAME | --tasks A,B` and
 `jaxembed bench NAME` (chunk-size, vertical-chunk-size, model-comparison)."""
 
 from __future__ import annotations
@@ -151,9 +152,10 @@ def cmd_train(args) -> int:
 
 
 def cmd_corpus(args) -> int:
-    from jaxembed.train.corpus import build_stdlib_corpus
+    from jaxembed.train.corpus import build_packages_corpus, build_stdlib_corpus
 
-    counts = build_stdlib_corpus(args.out_dir, heldout_fraction=args.heldout_fraction, seed=args.seed)
+    build = build_packages_corpus if args.kind == "packages" else build_stdlib_corpus
+    counts = build(args.out_dir, heldout_fraction=args.heldout_fraction, seed=args.seed)
     print(json.dumps(counts))
     return 0
 
@@ -198,12 +200,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("corpus", help="build the standard-library code-search corpus (train/heldout jsonl)")
-    p.add_argument("kind", choices=["stdlib"])
+    p = sub.add_parser("corpus", help="build a code-search corpus (train/heldout jsonl) from this machine's Python "
+                                      "sources: stdlib (~3k pairs) or packages (stdlib + installed packages, ~59k)")
+    p.add_argument("kind", choices=["stdlib", "packages"])
     p.add_argument("out_dir", type=Path)
     p.add_argument("--heldout-fraction", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_corpus)
+
+    from jaxembed.train.mine import add_parser as add_mine_parser
+
+    add_mine_parser(sub)
 
     p = sub.add_parser("eval", help="MTEB / LongEmbed through mteb, with the paper's instructions and summary table")
     p.add_argument("--model", required=True, help="converted or Hugging Face directory")

@@ -4,6 +4,7 @@ The end-to-end runs (sharding, processes, resume, learning) are in test_train_ru
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -249,3 +250,18 @@ def test_grad_cache_auto_fits_the_step_in_memory(tmp_path):
     steps = [r for r in trainer.run() if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["loss"]) for r in steps)
     assert all(0 <= r["input_wait_share"] < 1 and r["tokens_per_s"] > 0 and r["mfu"] is None for r in steps)
+    # resuming that checkpoint on other data (same row count, one text edited) is refused: the batches would differ
+    rows[5]["positive"] += " edited"
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    other = Trainer(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_cache_size=None)),
+                    show_progress=False)
+    with pytest.raises(ConfigError, match="checkpoint 2 was written with other training data or tokenization"):
+        other.restore()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs/train").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_training_configs_load(path):
+    from jaxembed.train.config import load_train_config
+
+    cfg = load_train_config(path)
+    assert (ROOT / cfg.model.init).is_file() if cfg.model.init else cfg.model.path

@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from jaxembed.train.corpus import INSTRUCTION, SOURCE, build_stdlib_corpus
+from jaxembed.train.corpus import INSTRUCTION, SOURCE, build_code_corpus, build_stdlib_corpus, collect_functions
 from jaxembed.train.corpus import main as corpus_main
 from jaxembed.train.data import DataError, DataReport, leftover, load_triples, plan_batches
 
@@ -260,3 +260,109 @@ def test_corpus_cli(tmp_path, capsys, monkeypatch):
     assert corpus_main([str(tmp_path), "--heldout-fraction", "0.3", "--seed", "5"]) == 0
     assert seen["heldout_fraction"] == 0.3 and seen["seed"] == 5 and seen["out_dir"] == str(tmp_path)
     assert "3 rows from 2 modules" in capsys.readouterr().out
+
+
+def _package(root, name, functions):
+    (root / name).mkdir(parents=True)
+    (root / name / "__init__.py").write_text("\n\n".join(functions) + "\n")
+
+
+def _function(name, summary, body):
+    return f'def {name}(x):\n    """{summary}\n\n    More text.\n    """\n' + "".join(f"    {line}\n" for line in body)
+
+
+def test_code_corpus_over_several_roots_splits_by_package(tmp_path):
+    """Packages from several roots (sys.path order: the first root's copy of a name wins), files parsed on
+    worker processes, one-statement bodies when asked for, the split by package."""
+    first, second = tmp_path / "stdlib", tmp_path / "site-packages"
+    two = ["scaled = [value * 2 + 1 for value in x]", "return [abs(value) for value in scaled]"]
+    one = ["return sorted(x, key=lambda item: (item.priority, item.name))"]
+    _package(first, "alpha", [_function(f"a{i}", f"Compute the alpha value number {i}", two) for i in range(40)])
+    _package(second, "alpha", [_function("shadowed", "This copy is never imported at all", two)])
+    for name in ("beta", "gamma", "delta"):
+        _package(second, name, [_function(f"{name}{i}", f"Order the {name} items number {i}", one if i % 2 else two)
+                                for i in range(40)])
+    records, files = collect_functions([first, second], workers=2)
+    assert files == {"files": 4, "skipped_files": 0}
+    assert not any("shadowed" in r["name"] for r in records)
+    assert len(records) == 40 + 3 * 20  # one-statement bodies are left out by default
+    counts = build_code_corpus(tmp_path / "out", roots=[first, second], source="code", heldout_fraction=0.25,
+                               min_body_statements=1, workers=2)
+    assert counts["train_rows"] + counts["heldout_rows"] == 160 and counts["heldout_modules"] == 1
+    train, heldout = _read(tmp_path / "out" / "train.jsonl"), _read(tmp_path / "out" / "heldout.jsonl")
+    assert not {r["module"] for r in train} & {r["module"] for r in heldout}
+    assert {r["source"] for r in train + heldout} == {"code"}
+    single = next(r for r in train + heldout if r["name"].endswith(":beta1") or r["name"].endswith(":gamma1"))
+    assert single["positive"] == "def " + single["name"].rsplit(":", 1)[1] + "(x):\n    " + one[0]
+
+
+# ------------------------------------------------------------------------------------------ token pipeline
+
+
+def _tokenize(sources, tokenizer, cache_dir, max_tokens=12, k=2, template="Q: {prompt} | "):
+    from jaxembed.train.pipeline import tokenize_sources
+
+    def query_text(instruction, query, source):
+        return (template.format(prompt=instruction) if instruction else "") + query
+
+    return tokenize_sources(sources, tokenizer=tokenizer, eos=tokenizer.eos_token_id, max_tokens=max_tokens,
+                            query_text=query_text, settings={"template": template}, cache_dir=cache_dir,
+                            negatives_per_query=k, show_progress=False)
+
+
+def _expected_ids(tokenizer, text, max_tokens):
+    ids = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+    return ids if len(ids) <= max_tokens else ids[: max_tokens - 1] + [tokenizer.eos_token_id]
+
+
+def test_tokenized_batches_match_the_tokenizer_and_the_cache_is_keyed_by_content(tmp_path, tokenizer, monkeypatch):
+    rows = [{"query": f"sort the list number {i}" + " again" * (i % 5), "positive": f"def f{i}(x): return sorted(x)",
+             "negatives": [f"def g{i}(): pass", "x = 1" * (i % 7 + 1)], "instruction": "find code" if i % 2 else ""}
+            for i in range(23)]
+    path = write_jsonl(tmp_path / "code.jsonl", rows)
+    sources, _ = load_triples(path, negatives_per_query=2)
+    tokens = _tokenize(sources, tokenizer, tmp_path / "cache")["code"]
+    picked = np.array([22, 3, 7, 0, 11])
+    arrays, n_tokens, truncated = tokens.batch(picked, chunk_size=8)
+    expected = {"query": [], "pos": [], "neg": []}
+    for i in picked:
+        r = rows[i]
+        query = ("Q: find code | " if r["instruction"] else "") + r["query"]
+        expected["query"].append(_expected_ids(tokenizer, query, 12))
+        expected["pos"].append(_expected_ids(tokenizer, r["positive"], 12))
+        expected["neg"] += [_expected_ids(tokenizer, n, 12) for n in r["negatives"]]
+    L = arrays["query_ids"].shape[1]
+    assert L == 16 and arrays["neg_ids"].shape == (5, 2, L)  # max 12 tokens -> the 16 bucket (Q = 8)
+    for name, ids, lens in (("query", arrays["query_ids"], arrays["query_len"]),
+                            ("pos", arrays["pos_ids"], arrays["pos_len"]),
+                            ("neg", arrays["neg_ids"].reshape(-1, L), arrays["neg_len"].reshape(-1))):
+        assert lens.tolist() == [len(x) for x in expected[name]]
+        assert ids.tolist() == [x + [0] * (L - len(x)) for x in expected[name]]
+    full = [len(tokenizer(t)["input_ids"]) + 1 for i in picked
+            for t in (("Q: find code | " if rows[i]["instruction"] else "") + rows[i]["query"], rows[i]["positive"],
+                      *rows[i]["negatives"])]
+    assert truncated == sum(n > 12 for n in full) > 0 and n_tokens == sum(min(n, 12) for n in full)
+
+    # a second run reads the cache: the tokenizer is not called
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda *a, **k: pytest.fail("tokenized again"))
+    again = _tokenize(sources, tokenizer, tmp_path / "cache")["code"]
+    assert again.fingerprint == tokens.fingerprint
+    assert all(np.array_equal(a, b) for a, b in zip(again.batch(picked, 8)[0].values(), arrays.values(), strict=True))
+    monkeypatch.undo()
+    # anything the ids depend on changes the key: never a cache file made from something else
+    changed = [_tokenize(sources, tokenizer, tmp_path / "cache", max_tokens=13)["code"].fingerprint,
+               _tokenize(sources, tokenizer, tmp_path / "cache", template="I: {prompt} | ")["code"].fingerprint]
+    rows[4]["negatives"][1] += " # edited"
+    sources2, _ = load_triples(write_jsonl(tmp_path / "code.jsonl", rows), negatives_per_query=2)
+    changed.append(_tokenize(sources2, tokenizer, tmp_path / "cache")["code"].fingerprint)
+    assert len({tokens.fingerprint, *changed}) == 4
+    assert len(list((tmp_path / "cache").glob("tokens-*.arrow"))) == 4
+
+
+def test_tokenized_batches_without_negatives(tmp_path, tokenizer):
+    sources, _ = load_triples(write_jsonl(tmp_path / "d.jsonl", [row(i, k=0) for i in range(6)]),
+                              negatives_per_query=0)
+    arrays, n_tokens, _ = _tokenize(sources, tokenizer, tmp_path / "cache", k=0)["d"].batch([5, 1], chunk_size=8)
+    assert arrays["neg_ids"].shape == (2, 0, arrays["query_ids"].shape[1]) and arrays["neg_len"].shape == (2, 0)
+    assert arrays["pos_ids"][0, : arrays["pos_len"][0]].tolist() == _expected_ids(tokenizer, "p5", 12)
+    assert n_tokens == int(arrays["query_len"].sum() + arrays["pos_len"].sum())

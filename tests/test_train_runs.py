@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -115,7 +116,7 @@ def test_sigkill_and_resume_reproduce_the_trajectory(workdir, reference):
     """`jaxembed train` killed with SIGKILL right after step 3 (checkpoints every 2 steps, so it restarts
     from step 2 and redoes step 3), then run again: the logged losses are the uninterrupted ones, bit for bit."""
     _, ref = reference
-    config = write_config(workdir, "resume")
+    config = write_config(workdir, "resume", tensorboard=str(workdir / "resume/tensorboard"))
     cmd = [sys.executable, "-m", "jaxembed.cli", "train", str(config), "--quiet"]
     killed = subprocess.run(cmd, env={**env(workdir), "JAXEMBED_TRAIN_KILL_AFTER_STEP": "3"}, cwd=workdir,
                             capture_output=True, text=True, timeout=600)
@@ -128,3 +129,28 @@ def test_sigkill_and_resume_reproduce_the_trajectory(workdir, reference):
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in steps] == ref.tolist()
+    # TensorBoard shows the same trajectory: the resumed run's purge hides the killed run's step 3
+    losses = tensorboard_scalars(workdir / "resume/tensorboard")["train/loss"]
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert np.allclose([losses[s] for s in sorted(losses)], ref, rtol=1e-6, atol=0)  # stored as float32
+
+
+def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} from the event files as TensorBoard reads them: files in name (time) order, and a
+    SessionLog START at step s drops the earlier events at steps >= s."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):  # TFRecord: u64 length, u32 crc, payload, u32 crc
+            (length,) = struct.unpack("<Q", data[pos: pos + 8])
+            event = Event.FromString(data[pos + 12: pos + 12 + length])
+            pos += 16 + length
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                for values in scalars.values():
+                    for step in [s for s in values if s >= event.step]:
+                        del values[step]
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars

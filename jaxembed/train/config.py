@@ -1,7 +1,7 @@
 """The training run's config: one YAML file, checked field by field (unknown keys are errors).
 
     model:       {path | init, tokenizer, dtype, kernels, chunk_size, seed}
-    data:        {train, heldout, negatives_per_query, max_tokens, query_template, instructions}
+    data:        {train, heldout, negatives_per_query, max_tokens, query_template, instructions, token_cache}
     lora:        {rank, alpha, targets, modules_to_save} | null (full-parameter training)
     quantization: null | nf4
     train:       {batch_size, grad_cache_size, remat, learning_rate, warmup_steps, weight_decay,
@@ -12,6 +12,7 @@
     distributed: null | {coordinator, num_processes, process_id}
     output:      where the merged model is exported (a directory `jaxembed.load` reads)
     log:         metrics jsonl (default: <checkpoint.directory>/../metrics.jsonl)
+    tensorboard: null | a directory for TensorBoard event files (the same rows; needs tensorboardX)
 
 See configs/train/*.yaml for complete examples, the paper's runs among them.
 """
@@ -48,6 +49,7 @@ class DataSection:
     max_tokens: int = 512
     query_template: str = QUERY_TEMPLATE
     instructions: dict = dataclasses.field(default_factory=dict)  # source -> instruction when a record has none
+    token_cache: str | None = None  # tokenized data cache (default: <checkpoint.directory>/../token-cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,7 @@ class TrainConfig:
     distributed: DistributedSection | None = None
     output: str | None = None
     log: str | None = None
+    tensorboard: str | None = None
 
     def __post_init__(self):
         if (self.model.path is None) == (self.model.init is None):
@@ -150,6 +153,10 @@ class TrainConfig:
             raise ConfigError("data.negatives_per_query must be >= 0 and data.max_tokens >= 2")
         if self.checkpoint.every < 1 or self.checkpoint.keep < 1:
             raise ConfigError("checkpoint.every and checkpoint.keep must be positive")
+
+    @property
+    def token_cache_dir(self) -> Path:
+        return Path(self.data.token_cache or Path(self.checkpoint.directory).parent / "token-cache")
 
     @property
     def log_path(self) -> Path:

@@ -1,12 +1,18 @@
-"""A small real code-search corpus from the CPython standard library sources on this machine.
+"""Real code-search corpora from the Python sources on this machine.
 
 Every function or method with a docstring becomes one record: the query is the docstring's summary (its
 first paragraph, whitespace-normalised) and the positive is the function's source with the docstring
-removed. Hard negatives are other functions of the same module. The split is by top-level module, so no
-held-out module is seen in training. The output depends only on the Python version's stdlib and the
-arguments, and is byte-identical across runs::
+removed. Hard negatives are other functions of the same module. The split is by top-level module (a
+package), so no held-out package is seen in training.
 
-    python -m jaxembed.train.corpus OUT_DIR [--heldout-fraction F] [--seed S] [--negatives K] [--max-per-module N]
+- ``stdlib``: the CPython standard library (about 3k records on Python 3.11).
+- ``packages``: the standard library and every installed package on ``sys.path`` (about 50k records with
+  this project's dev install); a top-level name found in two places is taken from the first, as imports do.
+
+The output depends only on the sources and the arguments, and is byte-identical across runs::
+
+    python -m jaxembed.train.corpus OUT_DIR [--kind stdlib|packages] [--heldout-fraction F] [--seed S]
+        [--negatives K] [--max-per-module N]
 """
 
 from __future__ import annotations
@@ -24,21 +30,35 @@ import tokenize
 import warnings
 import zlib
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
+from jaxembed.files import write_text_atomically
+
 SOURCE = "stdlib-code"
+PACKAGES_SOURCE = "python-code"
 INSTRUCTION = "Given a docstring summary, retrieve the Python function that implements it"
 SKIP_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip", "site-packages",
                        "__pycache__"})
 MIN_SUMMARY_WORDS = 4
-MIN_BODY_STATEMENTS = 2
+MIN_BODY_STATEMENTS = 2  # stdlib; the packages corpus takes one-statement bodies too (still >= MIN_BODY_CHARS)
 MIN_BODY_CHARS = 40
 
 
 def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
+
+
+def package_roots() -> list[Path]:
+    """The standard library, then every other directory of sys.path that holds packages, in import order."""
+    roots = [stdlib_dir().resolve()]
+    for entry in sys.path:
+        path = Path(entry or ".").resolve()
+        if path.is_dir() and path not in roots and path.name in ("site-packages", "dist-packages"):
+            roots.append(path)
+    return roots
 
 
 def _module_files(root: Path, modules: Iterable[str] | None) -> list[tuple[str, Path]]:
@@ -77,7 +97,8 @@ def _line_text(lines: list[bytes], lineno: int) -> bytes:
     return lines[lineno - 1].rstrip(b"\r\n")
 
 
-def _function_records(source: str, tree: ast.AST, module: str, relpath: str) -> list[dict]:
+def _function_records(source: str, tree: ast.AST, module: str, relpath: str,
+                      min_body_statements: int = MIN_BODY_STATEMENTS) -> list[dict]:
     """(query, positive, ...) for every documented, non-trivial function of one parsed file, in source order."""
     blines = _split_lines(source.encode("utf-8"))
     out = []
@@ -91,7 +112,7 @@ def _function_records(source: str, tree: ast.AST, module: str, relpath: str) -> 
         if len(query.split()) < MIN_SUMMARY_WORDS:
             continue
         body = node.body[1:]
-        if len(body) < MIN_BODY_STATEMENTS:
+        if len(body) < min_body_statements:
             continue
         doc_stmt = node.body[0]
         # The docstring must sit on lines of its own (not `def f(): "doc"; ...`), so removing its lines is exact.
@@ -119,25 +140,44 @@ def _function_records(source: str, tree: ast.AST, module: str, relpath: str) -> 
     return out
 
 
-def collect_functions(root: Path | None = None, modules: Iterable[str] | None = None) -> tuple[list[dict], dict]:
-    """All usable functions of the stdlib (or of `modules` only), sorted by (module, file, line), deduplicated
-    by query and by positive (the first occurrence is kept). Also returns file counts."""
-    root = Path(root) if root is not None else stdlib_dir()
-    records: list[dict] = []
-    n_files = n_skipped = 0
-    for module, path in _module_files(root, modules):
-        relpath = path.relative_to(root).as_posix()
-        try:
-            with tokenize.open(path) as f:
-                source = f.read()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # SyntaxWarning (invalid escapes) in old stdlib code
-                tree = ast.parse(source, filename=str(path))
-        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
-            n_skipped += 1
-            continue
-        n_files += 1
-        records.extend(_function_records(source, tree, module, relpath))
+def _file_records(job: tuple[str, str, str, int]) -> list[dict] | None:
+    """The records of one file (module, path, path relative to its root, min body statements), or None when it
+    does not parse."""
+    module, path, relpath, min_body_statements = job
+    try:
+        with tokenize.open(path) as f:
+            source = f.read()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SyntaxWarning (invalid escapes) in old code
+            tree = ast.parse(source, filename=path)
+    except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+        return None
+    return _function_records(source, tree, module, relpath, min_body_statements)
+
+
+def collect_functions(root: Path | Sequence[Path] | None = None, modules: Iterable[str] | None = None,
+                      *, workers: int | None = None, min_body_statements: int = MIN_BODY_STATEMENTS
+                      ) -> tuple[list[dict], dict]:
+    """All usable functions under `root` (one directory or several; default: the stdlib), or of `modules`
+    only, sorted by (module, file, line), deduplicated by query and by positive (the first occurrence is
+    kept). A top-level module found under two roots is taken from the first. Files are parsed on `workers`
+    processes (default: one per core); the result does not depend on it. Also returns file counts."""
+    roots = [stdlib_dir()] if root is None else [Path(root)] if isinstance(root, (str, os.PathLike)) else [
+        Path(r) for r in root]
+    jobs: list[tuple[str, str, str, int]] = []
+    owner: dict[str, Path] = {}
+    for r in roots:
+        for module, path in _module_files(r, modules):
+            if owner.setdefault(module, r) == r:
+                jobs.append((module, str(path), path.relative_to(r).as_posix(), min_body_statements))
+    workers = workers or os.cpu_count() or 1
+    if workers > 1 and len(jobs) > 64:
+        with ProcessPoolExecutor(workers) as pool:
+            per_file = list(pool.map(_file_records, jobs, chunksize=64))
+    else:
+        per_file = [_file_records(job) for job in jobs]
+    records = [r for recs in per_file if recs is not None for r in recs]
+    n_skipped = sum(recs is None for recs in per_file)
     seen_q: set[str] = set()
     seen_p: set[str] = set()
     unique = []
@@ -147,7 +187,7 @@ def collect_functions(root: Path | None = None, modules: Iterable[str] | None = 
         seen_q.add(r["query"])
         seen_p.add(r["positive"])
         unique.append(r)
-    return unique, {"files": n_files, "skipped_files": n_skipped}
+    return unique, {"files": len(jobs) - n_skipped, "skipped_files": n_skipped}
 
 
 def _split_modules(counts: dict[str, int], heldout_fraction: float, seed: int) -> set[str]:
@@ -190,22 +230,35 @@ def _add_negatives(rows: list[dict], k: int, seed: int, split: str) -> None:
             rows[i]["negatives"] = [rows[j]["positive"] for j in picked]
 
 
-def build_stdlib_corpus(
+def build_stdlib_corpus(out_dir: str | os.PathLike, *, stdlib: str | os.PathLike | None = None, **kwargs) -> dict:
+    """The standard-library corpus (`build_code_corpus` over the stdlib directory, or `stdlib`)."""
+    return build_code_corpus(out_dir, roots=[Path(stdlib) if stdlib is not None else stdlib_dir()], source=SOURCE,
+                             **kwargs)
+
+
+def build_packages_corpus(out_dir: str | os.PathLike, **kwargs) -> dict:
+    """The corpus of the standard library and every installed package (`package_roots`)."""
+    return build_code_corpus(out_dir, roots=package_roots(), source=PACKAGES_SOURCE, min_body_statements=1, **kwargs)
+
+
+def build_code_corpus(
     out_dir: str | os.PathLike,
     *,
+    roots: Sequence[str | os.PathLike],
+    source: str,
     heldout_fraction: float = 0.2,
     seed: int = 0,
     max_per_module: int | None = None,
     negatives: int = 1,
     modules: Iterable[str] | None = None,
-    stdlib: str | os.PathLike | None = None,
+    workers: int | None = None,
+    min_body_statements: int = MIN_BODY_STATEMENTS,
 ) -> dict:
     """Write ``train.jsonl`` and ``heldout.jsonl`` (the `jaxembed.train.data` schema plus ``module`` and ``name``)
-    into `out_dir`; return the counts.
+    into `out_dir`, each atomically; return the counts.
 
     `max_per_module` keeps at most that many functions per top-level module (a seeded choice, kept in source
-    order); `modules` restricts the corpus to those top-level modules; `stdlib` overrides the stdlib directory.
-    Texts are never truncated.
+    order); `modules` restricts the corpus to those top-level modules. Texts are never truncated.
     """
     if not 0.0 <= heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction!r}")
@@ -214,10 +267,11 @@ def build_stdlib_corpus(
             f"need seed >= 0, negatives >= 0, max_per_module >= 1; got {seed}, {negatives}, {max_per_module}"
         )
     modules = None if modules is None else sorted(set(modules))
-    root = Path(stdlib) if stdlib is not None else stdlib_dir()
-    records, files = collect_functions(root, modules)
+    roots = [Path(r) for r in roots]
+    records, files = collect_functions(roots, modules, workers=workers, min_body_statements=min_body_statements)
     if not records:
-        raise ValueError(f"no usable functions found under {root}" + (f" for modules {modules}" if modules else ""))
+        raise ValueError(f"no usable functions found under {', '.join(map(str, roots))}"
+                         + (f" for modules {modules}" if modules else ""))
 
     by_module: dict[str, list[dict]] = {}
     for r in records:
@@ -237,11 +291,10 @@ def build_stdlib_corpus(
         rows = [dict(r) for m in in_split for r in by_module[m]]
         if rows:
             _add_negatives(rows, negatives, seed, split)
-        with open(out_dir / f"{split}.jsonl", "w", encoding="utf-8", newline="\n") as f:
-            for r in rows:
-                f.write(json.dumps({"query": r["query"], "positive": r["positive"], "negatives": r["negatives"],
-                                    "instruction": INSTRUCTION, "source": SOURCE, "module": r["module"],
-                                    "name": r["name"]}, ensure_ascii=False) + "\n")
+        write_text_atomically(out_dir / f"{split}.jsonl", "".join(
+            json.dumps({"query": r["query"], "positive": r["positive"], "negatives": r["negatives"],
+                        "instruction": INSTRUCTION, "source": source, "module": r["module"], "name": r["name"]},
+                       ensure_ascii=False) + "\n" for r in rows))
         counts[f"{split}_rows"] = len(rows)
         counts[f"{split}_modules"] = len({r["module"] for r in rows})
     counts.update(files)
@@ -252,6 +305,7 @@ def build_stdlib_corpus(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxembed.train.corpus", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
+    parser.add_argument("--kind", choices=["stdlib", "packages"], default="stdlib")
     parser.add_argument("--heldout-fraction", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--negatives", type=int, default=1)
@@ -259,14 +313,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        counts = build_stdlib_corpus(args.out_dir, heldout_fraction=args.heldout_fraction, seed=args.seed,
-                                     negatives=args.negatives, max_per_module=args.max_per_module)
+        build = build_packages_corpus if args.kind == "packages" else build_stdlib_corpus
+        counts = build(args.out_dir, heldout_fraction=args.heldout_fraction, seed=args.seed,
+                       negatives=args.negatives, max_per_module=args.max_per_module)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out_dir}/train.jsonl: {counts['train_rows']} rows from {counts['train_modules']} modules; "
           f"{args.out_dir}/heldout.jsonl: {counts['heldout_rows']} rows from {counts['heldout_modules']} modules "
-          f"(Python {counts['python']} stdlib, {counts['files']} files, {counts['skipped_files']} skipped; "
+          f"(Python {counts['python']} {args.kind}, {counts['files']} files, {counts['skipped_files']} skipped; "
           f"{time.perf_counter() - t0:.1f}s)")
     return 0
 

@@ -30,9 +30,10 @@ from tqdm import tqdm
 
 from jaxembed import checkpoint, models
 from jaxembed.config import ConfigError, load_config
-from jaxembed.embedder import Embedder, bucket_length, load_tokenizer, tokenize_texts
+from jaxembed.embedder import Embedder, bucket_length, load_tokenizer
 from jaxembed.train import data as data_lib
 from jaxembed.train import lora as lora_lib
+from jaxembed.train import pipeline
 from jaxembed.train import sharding as sh
 from jaxembed.train.config import TrainConfig
 from jaxembed.train.step import BATCH_KEYS, StepConfig, TrainState, make_optimizer, train_step
@@ -131,6 +132,15 @@ class Trainer:
         self.sources, self.report = data_lib.load_triples(expand_globs(cfg.data.train),
                                                           negatives_per_query=cfg.data.negatives_per_query)
         self.sizes = {name: len(ds) for name, ds in self.sources.items()}
+        # every text tokenized once, up front (cached by content); the loop only gathers ids
+        self.tokens = pipeline.tokenize_sources(
+            self.sources, tokenizer=self.tokenizer, eos=self.eos, max_tokens=cfg.data.max_tokens,
+            query_text=lambda instruction, query, source: self.query_text(
+                {"instruction": instruction, "query": query}, source),
+            settings={"query_template": self.query_template, "instructions": sorted(cfg.data.instructions.items())},
+            cache_dir=cfg.token_cache_dir, negatives_per_query=cfg.data.negatives_per_query,
+            show_progress=self.show_progress)
+        self.data_fingerprint = ",".join(f"{name}:{t.fingerprint}" for name, t in sorted(self.tokens.items()))
         self.steps_per_epoch = sum(n // t.batch_size for n in self.sizes.values())
         if self.steps_per_epoch == 0:
             raise ConfigError(
@@ -171,6 +181,8 @@ class Trainer:
                                                  cleanup_tmp_directories=True),
         )
         self.truncated = 0
+        if cfg.tensorboard:
+            _TensorBoard.check_installed()
 
     # ---- the step and whether it fits ------------------------------------------------------
     def _step_config(self, grad_cache_size) -> StepConfig:
@@ -253,23 +265,8 @@ class Trainer:
         """The global batch of update `step` (0-based): a pure function of the config and the step."""
         epoch, index = divmod(step, self.steps_per_epoch)
         source, rows = self._plan(epoch)[index]
-        records = self.sources[source][np.asarray(rows).tolist()]  # columns -> lists
-        b, k = len(rows), self.cfg.data.negatives_per_query
-        queries = [self.query_text({"instruction": i, "query": q}, source)
-                   for q, i in zip(records["query"], records["instruction"], strict=True)]
-        negatives = [n for negs in records["negatives"] for n in negs]
-        ids, truncated = tokenize_texts(self.tokenizer, queries + records["positive"] + negatives, self.eos,
-                                        self.cfg.data.max_tokens)
-        lengths = np.array([len(x) for x in ids], np.int32)
-        padded = np.zeros((len(ids), bucket_length(int(lengths.max()), self.chunk_size)), np.int32)
-        for row, x in zip(padded, ids, strict=True):
-            row[: len(x)] = x
-        arrays = {
-            "query_ids": padded[:b], "query_len": lengths[:b],
-            "pos_ids": padded[b : 2 * b], "pos_len": lengths[b : 2 * b],
-            "neg_ids": padded[2 * b :].reshape(b, k, padded.shape[1]), "neg_len": lengths[2 * b :].reshape(b, k),
-        }
-        return Batch(arrays, source, int(lengths.sum()), truncated)
+        arrays, tokens, truncated = self.tokens[source].batch(rows, self.chunk_size)
+        return Batch(arrays, source, tokens, truncated)
 
     def _device_batch(self, batch: Batch):
         return {key: sh.global_array(batch.arrays[key], sh.batch_sharding(self.mesh, batch.arrays[key].ndim))
@@ -279,7 +276,7 @@ class Trainer:
     def _data_position(self, step: int) -> dict:
         return {"step": step, "epoch": step // self.steps_per_epoch, "batch_in_epoch": step % self.steps_per_epoch,
                 "seed": self.cfg.train.seed, "batch_size": self.cfg.train.batch_size, "sizes": self.sizes,
-                "truncated": self.truncated}
+                "data": self.data_fingerprint, "truncated": self.truncated}
 
     def save(self, step: int, *, force: bool = False) -> None:
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(self.state),
@@ -296,10 +293,12 @@ class Trainer:
                                                                       data=ocp.args.JsonRestore()))
         position = restored["data"]
         expected = self._data_position(step)
-        for key in ("seed", "batch_size", "sizes"):
-            if position[key] != expected[key]:
-                raise ConfigError(f"{self.cfg.checkpoint.directory}: checkpoint {step} was written with {key}="
-                                  f"{position[key]}, this run has {expected[key]}; use a new checkpoint directory")
+        for key in ("seed", "batch_size", "sizes", "data"):
+            if position.get(key) != expected[key]:
+                what = (f"{key}={position.get(key)}, this run has {expected[key]}" if key != "data" else
+                        "other training data or tokenization (texts, tokenizer, max_tokens, template, instructions)")
+                raise ConfigError(f"{self.cfg.checkpoint.directory}: checkpoint {step} was written with {what}; "
+                                  "use a new checkpoint directory")
         self.state = restored["state"]
         self.truncated = position["truncated"]
         return step
@@ -332,12 +331,14 @@ class Trainer:
         batch = self.batch(step)
         self.truncated += batch.truncated
         self.state, metrics = self._step_fn(self.state, self.base, self._device_batch(batch))
-        return self._rows([(step, batch, metrics, self.truncated)], time.perf_counter() - tick, 0.0)[0]
+        return self._rows([(step, batch, metrics, self.truncated)], tick, 0.0)[0]
 
-    def _rows(self, pending, seconds: float, input_wait_s: float) -> list[dict]:
+    def _rows(self, pending, window_start: float, input_wait_s: float) -> list[dict]:
         """Log rows of the steps in `pending` [(step, batch, device metrics, truncated so far)], their
-        metrics read back in one transfer; throughput over the window of `seconds` wall time."""
+        metrics read back in one transfer; throughput over the wall time from `window_start` until
+        they are done (steps are dispatched asynchronously: the read-back is where they finish)."""
         values = jax.device_get([m for _, _, m, _ in pending])
+        seconds = time.perf_counter() - window_start
         tokens = sum(b.tokens for _, b, _, _ in pending)
         flops = 6 * self.matmul_params * tokens  # model FLOPs (forward + backward), no recompute counted
         window = {"tokens_per_s": tokens / seconds, "input_wait_share": input_wait_s / seconds,
@@ -350,12 +351,16 @@ class Trainer:
         """Train to the end (resuming from the latest checkpoint); returns this call's log rows."""
         start = self.restore()
         log = _Log(self.cfg.log_path, keep_through=start) if jax.process_index() == 0 else None
+        board = (_TensorBoard(self.cfg.tensorboard, purge_step=start + 1)  # steps <= start are kept, as in the log
+                 if self.cfg.tensorboard and jax.process_index() == 0 else None)
         rows = []
 
         def record(row):
             rows.append(row)
             if log:
                 log.write(row)
+            if board:
+                board.write(row)
 
         if log and start == 0:
             record({"event": "data", **self.report_dict()})
@@ -364,9 +369,11 @@ class Trainer:
             record({"step": 0, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
         kill_after = int(os.environ.get(KILL_AFTER_STEP_ENV, "0") or 0)
         bar = tqdm(total=self.total_steps, initial=start, desc="training", unit="step", disable=not self.show_progress)
-        # Input pipeline: the host prepares step s+1's batch (tokenize, pad) on a thread while the
-        # device runs step s; metrics come back every train.log_every steps, not once per step.
-        # Batches are still a pure function of the step, so resuming stays exact.
+        # Input pipeline: texts were tokenized once (self.tokens); a thread gathers and pads step s+1's
+        # batch while the devices run step s, and the (asynchronous) device put follows in this thread.
+        # The wait for the host batch is the input-wait share. Metrics come back every
+        # train.log_every steps, not once per step. Batches are still a pure function of the step, so
+        # resuming stays exact.
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxembed-batches")
         upcoming = pool.submit(self.batch, start) if start < self.total_steps else None
         pending, window_start, waited = [], time.perf_counter(), 0.0
@@ -374,7 +381,7 @@ class Trainer:
         def flush():
             nonlocal pending, window_start, waited
             if pending:
-                for row in self._rows(pending, time.perf_counter() - window_start, waited):
+                for row in self._rows(pending, window_start, waited):
                     record(row)
                 last = rows[-1]
                 bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}", tok_s=f"{last['tokens_per_s']:.0f}",
@@ -405,6 +412,8 @@ class Trainer:
             flush()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            if board:
+                board.close()
         bar.close()
         self.manager.wait_until_finished()
         return rows
@@ -455,12 +464,43 @@ def expand_globs(patterns) -> list[str]:
 
 
 def retrieval_metrics(scores: np.ndarray, targets: np.ndarray, k: int) -> dict:
-    """recall@k and MRR@k of each query's target column in scores [queries, docs] (ties count against)."""
+    """recall@k, MRR@k and nDCG@k of each query's one relevant doc, its target column in scores [queries,
+    docs] (ties count against)."""
     target_scores = scores[np.arange(len(targets)), targets]
     rank = (scores > target_scores[:, None]).sum(axis=1) + (scores == target_scores[:, None]).sum(axis=1) - 1
     hit = rank < k
     return {f"recall@{k}": float(hit.mean()), f"mrr@{k}": float(np.where(hit, 1.0 / (rank + 1), 0.0).mean()),
+            f"ndcg@{k}": float(np.where(hit, 1.0 / np.log2(rank + 2), 0.0).mean()),
             "queries": int(len(targets)), "docs": int(scores.shape[1])}
+
+
+class _TensorBoard:
+    """The log's numeric fields as TensorBoard scalars (tensorboardX's writer). On resume from step s,
+    TensorBoard hides the killed run's events after s (purge_step s + 1), as the jsonl drops them."""
+
+    @staticmethod
+    def check_installed() -> None:
+        try:
+            import tensorboardX  # noqa: F401
+        except ImportError:
+            raise ConfigError("tensorboard: needs the tensorboardX package (pip install 'jaxembed[tensorboard]')"
+                              ) from None
+
+    def __init__(self, directory: str, purge_step: int):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(str(Path(directory).expanduser()), purge_step=purge_step)
+
+    def write(self, row: dict) -> None:
+        if "step" not in row:
+            return
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key if "/" in key else f"train/{key}", value, row["step"])
+        self.writer.flush()  # rows come every log_every steps; a killed run keeps what it logged
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 class _Log:

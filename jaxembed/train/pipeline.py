@@ -1,0 +1,173 @@
+"""Token ids for training, computed once: every text of every source tokenized by `datasets.map` into a
+cached Arrow file, then batches gathered from flat int32 arrays with numpy (no tokenizer in the loop).
+
+The cache file's name is a hash of everything the ids depend on: the rows' texts, the tokenizer (its
+full serialisation), EOS, `max_tokens`, the query template and the source's default instruction. A cache
+file is therefore only ever read for exactly the data it was made from; `datasets` writes it to a
+temporary file and renames it, so a killed run leaves no partial cache behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from jaxembed.text import bucket_length, tokenize_texts
+
+CACHE_FORMAT = 1  # bump when the cached columns change
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenColumn:
+    """One text role of a source: text i is ``values[starts[i] : starts[i] + lengths[i]]`` (EOS included)."""
+
+    values: np.ndarray  # [total tokens] int32
+    starts: np.ndarray  # [texts] int64
+    lengths: np.ndarray  # [texts] int32
+
+    def padded(self, rows: np.ndarray, length: int) -> np.ndarray:
+        """[len(rows), length] int32, zero-padded on the right."""
+        lengths = self.lengths[rows]
+        cols = np.arange(length)
+        real = cols < lengths[:, None]
+        index = np.where(real, self.starts[rows][:, None] + cols, 0)
+        return np.where(real, self.values[index], 0).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedSource:
+    """A source's token ids: queries and positives (one text per row), negatives (k per row, row-major)."""
+
+    query: TokenColumn
+    positive: TokenColumn
+    negatives: TokenColumn
+    truncated: np.ndarray  # [rows] int32: texts of the row cut to max_tokens
+    negatives_per_query: int
+    fingerprint: str
+
+    def __len__(self) -> int:
+        return len(self.truncated)
+
+    def batch(self, rows, chunk_size: int) -> tuple[dict[str, np.ndarray], int, int]:
+        """(arrays for `BATCH_KEYS` padded to one length bucket, real tokens, texts truncated) of `rows`."""
+        rows = np.asarray(rows, np.int64)
+        b, k = len(rows), self.negatives_per_query
+        neg_rows = (rows[:, None] * k + np.arange(k)).reshape(-1)
+        lengths = [self.query.lengths[rows], self.positive.lengths[rows], self.negatives.lengths[neg_rows]]
+        longest = max(int(x.max()) for x in lengths if x.size)
+        L = bucket_length(longest, chunk_size)
+        arrays = {
+            "query_ids": self.query.padded(rows, L), "query_len": lengths[0],
+            "pos_ids": self.positive.padded(rows, L), "pos_len": lengths[1],
+            "neg_ids": self.negatives.padded(neg_rows, L).reshape(b, k, L), "neg_len": lengths[2].reshape(b, k),
+        }
+        return arrays, int(sum(int(x.sum()) for x in lengths)), int(self.truncated[rows].sum())
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """A hash of the tokenizer's full definition (vocabulary, merges, normalizer, special tokens)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        text = backend.to_str()
+    else:  # a slow tokenizer: its vocabulary and class stand in for the definition
+        text = repr((type(tokenizer).__name__, sorted(tokenizer.get_vocab().items())))
+    special = repr((tokenizer.eos_token_id, getattr(tokenizer, "bos_token_id", None)))
+    return hashlib.sha256((text + special).encode("utf-8")).hexdigest()[:32]
+
+
+def _rows_hash(ds) -> str:
+    h = xxhash.xxh3_128()
+    for batch in ds.iter(batch_size=4096):
+        for column in ("query", "positive", "instruction"):
+            for text in batch[column]:
+                h.update(text.encode("utf-8"))
+                h.update(b"\0")
+        for negatives in batch["negatives"]:
+            h.update(b"\1".join(n.encode("utf-8") for n in negatives))
+            h.update(b"\0")
+    return h.hexdigest()
+
+
+def tokenize_sources(
+    sources: dict,
+    *,
+    tokenizer,
+    eos: int,
+    max_tokens: int,
+    query_text: Callable[[str, str, str], str],
+    settings: dict,
+    cache_dir: str | os.PathLike,
+    negatives_per_query: int,
+    show_progress: bool = True,
+) -> dict[str, TokenizedSource]:
+    """Tokenize every source once (``datasets.map(batched=True)``, cached in `cache_dir`).
+
+    `query_text(instruction, query, source)` gives a query's full text; `settings` are what it depends on
+    besides the row (the template, the per-source default instructions) and go into the cache key.
+    """
+    import datasets
+
+    from jaxembed.train.data import _quiet_datasets
+
+    cache_dir = Path(cache_dir).expanduser()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tok_id = tokenizer_identity(tokenizer)
+    features = datasets.Features({
+        "query_ids": datasets.LargeList(datasets.Value("int32")),
+        "positive_ids": datasets.LargeList(datasets.Value("int32")),
+        "negatives_ids": datasets.LargeList(datasets.LargeList(datasets.Value("int32"))),
+        "truncated": datasets.Value("int32"),
+    })
+    out = {}
+    for source, ds in sources.items():
+        key = hashlib.sha256(repr((CACHE_FORMAT, source, _rows_hash(ds), tok_id, eos, max_tokens,
+                                   sorted(settings.items()))).encode("utf-8")).hexdigest()[:32]
+
+        def encode(batch, source=source):
+            queries = [query_text(i, q, source) for q, i in zip(batch["query"], batch["instruction"], strict=True)]
+            flat_negatives = [n for negs in batch["negatives"] for n in negs]
+            ids, _ = tokenize_texts(tokenizer, queries + batch["positive"] + flat_negatives, eos)
+            cut = [len(x) > max_tokens for x in ids]
+            ids = [x if len(x) <= max_tokens else x[: max_tokens - 1] + [eos] for x in ids]
+            b, k = len(queries), negatives_per_query
+            per_row_cut = np.array(cut[:b], np.int32) + np.array(cut[b: 2 * b], np.int32)
+            if k:
+                per_row_cut += np.array(cut[2 * b:], np.int32).reshape(b, k).sum(axis=1)
+            return {"query_ids": ids[:b], "positive_ids": ids[b: 2 * b],
+                    "negatives_ids": [ids[2 * b + i * k: 2 * b + (i + 1) * k] for i in range(b)],
+                    "truncated": per_row_cut.tolist()}
+
+        with contextlib.nullcontext() if show_progress else _quiet_datasets():
+            mapped = ds.map(encode, batched=True, batch_size=1000, remove_columns=ds.column_names, features=features,
+                            cache_file_name=str(cache_dir / f"tokens-{key}.arrow"), new_fingerprint=key,
+                            desc=f"tokenizing {source}")
+        if len(mapped) != len(ds):  # the cache file is named by its content; a mismatch means it is damaged
+            raise RuntimeError(f"{cache_dir / f'tokens-{key}.arrow'}: {len(mapped)} rows for {len(ds)}; delete it")
+        out[source] = _columns(mapped, negatives_per_query, key)
+    return out
+
+
+def _list_column(array) -> TokenColumn:
+    """A (large) list<int32> Arrow array as flat values + starts + lengths (zero-copy where Arrow allows)."""
+    offsets = np.asarray(array.offsets, np.int64)
+    return TokenColumn(np.asarray(array.values, np.int32), offsets[:-1], np.diff(offsets).astype(np.int32))
+
+
+def _columns(mapped, k: int, fingerprint: str) -> TokenizedSource:
+    table = mapped.with_format("arrow")[:]
+    column = {name: table.column(name).combine_chunks() for name in table.column_names}
+    negatives = column["negatives_ids"]
+    # every row holds exactly k negatives, so the inner lists are the negatives in row-major order
+    inner = negatives.values.slice(int(negatives.offsets[0].as_py()), len(mapped) * k)
+    return TokenizedSource(_list_column(column["query_ids"]), _list_column(column["positive_ids"]),
+                           _list_column(inner), np.asarray(column["truncated"], np.int32), k, fingerprint)
+
+
+__all__ = ["TokenColumn", "TokenizedSource", "tokenize_sources", "tokenizer_identity"]
