@@ -19,6 +19,7 @@ xla_cpu.apply()  # before any JAX backend starts: XLA:CPU's YNN fusions off (see
 from jaxembed.config import ConfigError, Mamba2Config, load_config  # noqa: E402
 from jaxembed.embedder import QUERY_TEMPLATE, Embedder, load_tokenizer  # noqa: E402
 from jaxembed.schedule import embed, forward  # noqa: E402
+from jaxembed.stream import embed_sections, embed_stream  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -61,5 +62,5 @@ def load(path, *, dtype=None, tokenizer=None, chunk_size=None, query_template=No
     )
 
 
-__all__ = ["load", "load_config", "embed", "forward", "Embedder", "ConfigError", "Mamba2Config", "QUERY_TEMPLATE",
-           "__version__"]
+__all__ = ["load", "load_config", "embed", "forward", "embed_sections", "embed_stream", "Embedder", "ConfigError",
+           "Mamba2Config", "QUERY_TEMPLATE", "__version__"]

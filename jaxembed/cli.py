@@ -85,11 +85,94 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def _file_blocks(path: Path, block_chars: int = 1 << 20):
+    """A UTF-8 file as text blocks (memory bounded; newlines as written), errors naming the byte."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    done = 0
+    with open(path, "rb") as f:
+        while block := f.read(block_chars):
+            try:
+                yield decoder.decode(block)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: not UTF-8 at byte {done + e.start}") from None
+            done += len(block)
+        try:
+            yield decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: ends inside a UTF-8 character") from None
+
+
+def _separated_sections(path: Path, separator: str):
+    """The file's sections: the lines between lines equal to `separator` (newlines kept, trailing one dropped)."""
+    lines: list[str] = []
+    with open(path, encoding="utf-8", newline="") as f:
+        for line in f:
+            if line.rstrip("\r\n") == separator:
+                yield "".join(lines).rstrip("\r\n")
+                lines = []
+            else:
+                lines.append(line)
+    yield "".join(lines).rstrip("\r\n")
+
+
+def _cmd_embed_long(args, model) -> int:
+    """--stream FILE (one embedding of the whole file) or --sections FILE (one per section, in context)."""
+    path = Path(args.stream or args.sections)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    options = dict(normalize_embeddings=not args.no_normalize, vertical_chunk_size=args.vertical_chunk_size,
+                   show_progress_bar=not args.quiet)
+    prompt = model.query_prompt(args.instruction) or None if args.query else None
+    if args.stream:
+        emb = model.encode_stream(_file_blocks(path), prompt=prompt, **options)[None]
+        rows = [{"file": str(path), "tokens": model.last_stats["tokens"]}]
+    elif args.section_tokens is not None:
+        ids = model.tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        n = args.section_tokens
+        emb = model.encode_id_sections([ids[i: i + n] for i in range(0, len(ids), n)],
+                                       normalize_embeddings=options["normalize_embeddings"],
+                                       vertical_chunk_size=options["vertical_chunk_size"])
+        rows = [{"file": str(path), "section": i, "tokens": [i * n, min(len(ids), (i + 1) * n)]}
+                for i in range(len(emb))]
+    else:
+        emb = model.encode_sections(_separated_sections(path, args.separator), prompt=prompt, **options)
+        rows = [{"file": str(path), "section": i} for i in range(len(emb))]
+    _write_embeddings(args.output, [{**r, "embedding": np.round(v.astype(float), 7).tolist()}
+                                    for r, v in zip(rows, emb, strict=True)], emb)
+    print(f"embedded {path} into {len(emb)} embedding(s)", file=sys.stderr)
+    return 0
+
+
+def _write_embeddings(output: Path | None, records: list[dict], emb) -> None:
+    """jsonl records on stdout or into output (.jsonl), or the array into output (.npy); atomically."""
+    if output is None:
+        for r in records:
+            sys.stdout.write(json.dumps(r) + "\n")
+    elif output.suffix == ".jsonl":
+        write_atomically(output, lambda f: f.write("".join(json.dumps(r) + "\n" for r in records).encode("utf-8")))
+    else:
+        write_atomically(output, lambda f: np.save(f, emb))
+
+
 def cmd_embed(args) -> int:
     import jaxembed
 
     if args.output is not None:
         check_output_path(args.output, (".npy", ".jsonl"), overwrite=args.overwrite)
+    if args.stream or args.sections:
+        if args.inputs:
+            raise ValueError("--stream / --sections take one FILE; do not pass other inputs")
+        if args.section_tokens is not None and args.separator is not None:
+            raise ValueError("--separator and --section-tokens are two ways to cut sections: give one")
+        if args.section_tokens is not None and args.section_tokens < 1:
+            raise ValueError(f"--section-tokens must be a positive int, got {args.section_tokens}")
+        if args.sections and args.section_tokens is None and args.separator is None:
+            raise ValueError("--sections needs --separator LINE or --section-tokens N")
+        return _cmd_embed_long(args, jaxembed.load(args.model, dtype=args.dtype, tokenizer=args.tokenizer))
+    if args.separator is not None or args.section_tokens is not None:
+        raise ValueError("--separator / --section-tokens go with --sections FILE")
     texts = _read_texts(args.inputs)
     if not texts:
         raise ValueError("no input texts")
@@ -191,6 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--no-normalize", action="store_true", help="skip L2 normalisation")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    long = p.add_mutually_exclusive_group()
+    long.add_argument("--stream", metavar="FILE", default=None,
+                      help="one embedding of the whole FILE, read and run V tokens at a time (constant memory)")
+    long.add_argument("--sections", metavar="FILE", default=None,
+                      help="one embedding per section of FILE, each with all the sections before it as context "
+                           "(one pass); cut by --separator LINE or --section-tokens N")
+    p.add_argument("--separator", default=None, help="--sections: lines equal to this separate the sections")
+    p.add_argument("--section-tokens", type=int, default=None, help="--sections: N tokens per section")
     p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("train", help="fine-tune with InfoNCE and LoRA/QLoRA adapters (configs/train/*.yaml)")

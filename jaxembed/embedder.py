@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -125,11 +125,7 @@ class Embedder:
         return self._tokenize(texts, max_length)[0]
 
     def _tokenize(self, texts, max_length):
-        if self.tokenizer is None:
-            raise ValueError(
-                "this embedder has no tokenizer: pass tokenizer=... to jaxembed.load (a path, a hub id or a "
-                "transformers tokenizer), or use encode_ids with token ids"
-            )
+        self._require_tokenizer()
         check_positive_int("max_length", max_length, optional=True)
         out, truncated = tokenize_texts(self.tokenizer, texts, self.eos_token_id, max_length)
         if truncated:
@@ -190,6 +186,112 @@ class Embedder:
     def encode_document(self, texts, **kwargs) -> np.ndarray:
         """Documents are embedded without instruction, so a corpus is embedded once for all tasks."""
         return self.encode(texts, **kwargs)
+
+    # ---- streams and sections (jaxembed.stream) ------------------------------------------
+    def encode_stream(self, pieces: Iterable[str], *, prompt: str | None = None, normalize_embeddings: bool = True,
+                      vertical_chunk_size: int | str = "auto", show_progress_bar: bool | None = None) -> np.ndarray:
+        """The embedding [d] of the concatenated pieces (any iterable of strings: a generator, a file's
+        lines) with EOS appended, exactly `encode("".join(pieces))`, in memory that does not depend on the
+        total length: ids are made incrementally and run V at a time from carried per-layer states.
+
+        prompt: a literal prefix (e.g. `query_prompt(...)`). vertical_chunk_size: "auto" or V (a multiple of Q).
+        """
+        from jaxembed.stream import StateStream, stream_ids
+
+        self._require_tokenizer()
+        if prompt is not None and not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
+        if isinstance(pieces, str):
+            pieces = [pieces]
+        stream = StateStream(self.params, self.config, vertical_chunk_size=self._stream_chunk_size(
+            vertical_chunk_size), runtime=self._runtime(), normalize=normalize_embeddings)
+        texts = pieces if not prompt else _prefixed(prompt, pieces)
+        last = None  # the newest id stays out of the states: the pooled position is at or after it
+        with tqdm(unit="tok", unit_scale=True, desc="embedding stream",
+                  disable=(None if show_progress_bar is None else not show_progress_bar)) as bar:
+            for ids in stream_ids(self.tokenizer, texts):
+                if not ids:
+                    continue
+                check_token_ids([ids], self.vocab_size)
+                stream.feed(([last] if last is not None else []) + ids[:-1])
+                last = ids[-1]
+                bar.update(len(ids))
+        if last is None:
+            raise ValueError("the stream has no text (no pieces, or only empty ones)")
+        tail = [last] if last == self.eos_token_id else [last, self.eos_token_id]
+        out = np.asarray(stream.embedding(tail), np.float32)
+        self.last_stats = {"tokens": stream.tokens + len(stream.pending) + len(tail)}
+        _check_finite(out[None], np.arange(1), 1, self.last_stats["tokens"])
+        return out
+
+    def encode_sections(self, sections: Iterable[str], *, prompt: str | None = None,
+                        normalize_embeddings: bool = True, vertical_chunk_size: int | str = "auto",
+                        show_progress_bar: bool | None = None) -> np.ndarray:
+        """Contextual section embeddings [n, d] in one pass: row i embeds sections 0..i followed by EOS,
+        exactly `encode_ids([ids_0 + ... + ids_i + [eos]])[0]`, where ids_i is section i tokenized on its
+        own (no special tokens; the tokenizer's leading ones, e.g. BOS, and the prompt's ids before
+        section 0). At each boundary the per-layer states are forked: EOS runs from a copy.
+        `sections` may be any iterable of strings (read as it goes)."""
+        from jaxembed.stream import StateStream, special_ids
+
+        self._require_tokenizer()
+        stream = StateStream(self.params, self.config, vertical_chunk_size=self._stream_chunk_size(
+            vertical_chunk_size), runtime=self._runtime(), normalize=normalize_embeddings)
+        prefix, _ = special_ids(self.tokenizer)
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
+            prefix = prefix + self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        rows = []
+        with tqdm(unit="section", desc="embedding sections",
+                  disable=(None if show_progress_bar is None else not show_progress_bar)) as bar:
+            for i, section in enumerate(sections):
+                if not isinstance(section, str):
+                    raise TypeError(f"section {i} is a {type(section).__name__}, not a string")
+                ids = self.tokenizer(section, add_special_tokens=False)["input_ids"]
+                if not ids:
+                    raise ValueError(f"section {i} is empty (no tokens): every section needs at least one token")
+                check_token_ids([ids], self.vocab_size)
+                stream.feed((prefix if i == 0 else []) + list(ids))
+                stream.flush()
+                rows.append(np.asarray(stream.embedding([self.eos_token_id]), np.float32))
+                bar.update(1)
+        if not rows:
+            raise ValueError("no sections to embed (the list is empty)")
+        out = np.stack(rows)
+        _check_finite(out, np.arange(len(rows)), len(rows), stream.tokens)
+        return out
+
+    def encode_id_sections(self, sections: Iterable[Sequence[int]], *, normalize_embeddings: bool = True,
+                           vertical_chunk_size: int | str = "auto") -> np.ndarray:
+        """`encode_sections` for token-id sections used as given: row i embeds sections 0..i + [EOS]."""
+        from jaxembed.stream import embed_sections
+
+        out = embed_sections(self.params, self.config, sections, self.eos_token_id,
+                             vertical_chunk_size=self._stream_chunk_size(vertical_chunk_size),
+                             chunk_size=self.chunk_size, normalize=normalize_embeddings, kernels=self.kernels)
+        return np.asarray(out, np.float32)
+
+    def _stream_chunk_size(self, vertical_chunk_size) -> int:
+        V = self.resolve_vertical_chunk_size(vertical_chunk_size, 1)
+        if V is None:
+            raise ValueError(f"streams and sections run V tokens at a time from carried states: pass "
+                             f"vertical_chunk_size='auto' or a multiple of Q={self.chunk_size} (got None)"
+                             if self.family.VERTICAL else f"{self.config.architecture} models have no "
+                             "constant-size state: they cannot stream or fork states")
+        return V
+
+    def _runtime(self):
+        from jaxembed.runtime import Runtime
+
+        return Runtime(self.chunk_size, self.kernels)
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(
+                "this embedder has no tokenizer: pass tokenizer=... to jaxembed.load (a path, a hub id or a "
+                "transformers tokenizer), or use encode_ids with token ids"
+            )
 
     @staticmethod
     def similarity(a, b) -> np.ndarray:
@@ -254,6 +356,11 @@ class Embedder:
         self.last_stats = {"texts": len(seqs), "tokens": total_tokens, "seconds": elapsed,
                            "tokens_per_second": total_tokens / max(elapsed, 1e-9), "batches": len(batches)}
         return out
+
+
+def _prefixed(prompt: str, pieces: Iterable[str]) -> Iterator[str]:
+    yield prompt
+    yield from pieces
 
 
 def _check_finite(embeddings, rows, n_rows: int, padded_len: int):

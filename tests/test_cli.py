@@ -54,3 +54,34 @@ def test_embed_checks_the_output_path_first(hf_model_dir, tmp_path, capsys):
                  "--quiet"]) == 0
     assert np.load(tmp_path / "old.npy").shape[0] == 1
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".old.npy.tmp-")]  # no temporary left
+
+
+def test_embed_stream_and_sections_of_a_file(hf_model_dir, tmp_path, capsys):
+    """--stream: the whole file's embedding (= encode of its text); --sections with a separator line or a
+    token size: each section in the context of those before it (= encode_ids of the prefix + EOS)."""
+    path, _ = hf_model_dir
+    parts = ["def first(x):\n    return x + 1", "class Second:\n    pass\n\nmore = 2", "# the end  "]
+    src = tmp_path / "doc.txt"
+    src.write_text("\n---\n".join(parts) + "\n", encoding="utf-8")
+    model = jaxembed.load(path)
+    assert main(["embed", "--model", str(path), "--stream", str(src), "-o", str(tmp_path / "s.npy"), "--quiet",
+                 "--vertical-chunk-size", "8"]) == 0
+    np.testing.assert_allclose(np.load(tmp_path / "s.npy")[0], model.encode(src.read_text()), atol=2e-6)
+
+    assert main(["embed", "--model", str(path), "--sections", str(src), "--separator=---", "--quiet"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["section"] for r in rows] == [0, 1, 2]
+    ids = [model.tokenizer(p, add_special_tokens=False)["input_ids"] for p in parts]
+    expected = model.encode_ids([sum(ids[: i + 1], []) + [model.eos_token_id] for i in range(3)],
+                                vertical_chunk_size=None)
+    np.testing.assert_allclose(np.array([r["embedding"] for r in rows]), expected, atol=2e-6)
+
+    assert main(["embed", "--model", str(path), "--sections", str(src), "--section-tokens", "5", "--quiet"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    all_ids = model.tokenizer(src.read_text(), add_special_tokens=False)["input_ids"]
+    assert len(rows) == -(-len(all_ids) // 5) and rows[-1]["tokens"] == [5 * (len(rows) - 1), len(all_ids)]
+    last = model.encode_ids([all_ids + [model.eos_token_id]], vertical_chunk_size=None)[0]
+    np.testing.assert_allclose(rows[-1]["embedding"], last, atol=2e-6)
+
+    assert main(["embed", "--model", str(path), "--sections", str(src), "--quiet"]) == 2
+    assert "--sections needs --separator LINE or --section-tokens N" in capsys.readouterr().err

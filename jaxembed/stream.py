@@ -1,0 +1,225 @@
+"""Streaming and sectioned embeddings: a recurrent model's per-layer states carried across calls.
+
+* `embed_stream`: ids arrive piece by piece; every V of them run through all layers from the carried
+  states (exactly V tokens, no padding), so memory does not depend on the total length. The last < V
+  ids and EOS run once more from the states, and the output at EOS is the embedding.
+* `embed_sections`: the embedding of every prefix that ends at a section boundary, for one pass plus one
+  EOS step per section. At a boundary the states are *forked*: EOS runs from a copy, and the states that
+  continue into the next section never see it.
+
+A state must be exactly the state after the last real token, so the ids between two cut points run as
+pieces of exact lengths, never padded: V at a time, then the rest as powers of two (at most
+log2(V) + 1 compiled programs per model, each reused for every document). Only the output at EOS is
+computed from a padded block (right padding, which a causal model's EOS never sees).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxembed import models
+from jaxembed.runtime import Runtime
+from jaxembed.schedule import _layers, check_chunk_sizes, init_states
+from jaxembed.text import bucket_length, check_token_ids
+
+
+@partial(jax.jit, static_argnums=(1, 4))
+def _advance(params, config, ids, states, runtime: Runtime):
+    """The per-layer states after ids [b, n] (exact: no padding)."""
+    _, states = _layers(config, params, ids, states, runtime)
+    return states
+
+
+@partial(jax.jit, static_argnums=(1, 5, 6))
+def _pool(params, config, ids, length, states, runtime: Runtime, normalize: bool):
+    """The final-norm output at position length-1 of ids [1, n] (right-padded), run from `states`
+    (which are not returned: this is the fork)."""
+    x, _ = _layers(config, params, ids, states, runtime)
+    family = models.family(config)
+    out = family.final_norm(config, params, models.hidden(config, x)[0, length - 1])
+    if normalize:
+        out = out * lax.rsqrt(jnp.maximum(jnp.sum(out * out), 1e-24))
+    return out
+
+
+def piece_lengths(n: int, V: int) -> list[int]:
+    """n as V, V, ..., then the binary digits of the rest: exact pieces from few compiled shapes."""
+    out = [V] * (n // V)
+    rest = n % V
+    bit = 1 << max(0, rest.bit_length() - 1)
+    while rest:
+        if rest & bit:
+            out.append(bit)
+            rest -= bit
+        bit >>= 1
+    return out
+
+
+class StateStream:
+    """A document's per-layer states, advanced by token ids; `embedding(tail)` forks them at the end."""
+
+    def __init__(self, params, config, *, vertical_chunk_size: int, runtime: Runtime, normalize: bool = True):
+        if not models.family(config).VERTICAL:
+            raise ValueError(f"{config.architecture} models have no constant-size state: they cannot stream "
+                             "or fork states (embed the whole text with encode / embed)")
+        check_chunk_sizes(vertical_chunk_size, runtime.chunk_size)
+        self.params, self.config, self.runtime, self.normalize = params, config, runtime, normalize
+        self.V = int(vertical_chunk_size)
+        self.states = init_states(config, 1)
+        self.pending: list[int] = []  # ids not yet in the states (fewer than V after every `feed`)
+        self.tokens = 0  # ids taken into the states
+
+    def feed(self, ids: Sequence[int]) -> None:
+        """Take ids; every full V of them go into the states."""
+        self.pending.extend(int(i) for i in ids)
+        full = len(self.pending) // self.V * self.V
+        for start in range(0, full, self.V):
+            self._advance(self.pending[start: start + self.V])
+        del self.pending[:full]
+
+    def flush(self) -> None:
+        """Take every pending id into the states (exact pieces), e.g. at a section boundary."""
+        start = 0
+        for n in piece_lengths(len(self.pending), self.V):
+            self._advance(self.pending[start: start + n])
+            start += n
+        self.pending = []
+
+    def embedding(self, tail: Sequence[int]) -> jax.Array:
+        """The embedding of (everything fed) + pending + tail, tail ending in EOS; the states are unchanged."""
+        ids = self.pending + [int(i) for i in tail]
+        padded = np.zeros((1, bucket_length(len(ids), self.runtime.chunk_size)), np.int32)
+        padded[0, : len(ids)] = ids
+        return _pool(self.params, self.config, padded, np.int32(len(ids)), self.states, self.runtime, self.normalize)
+
+    def _advance(self, ids: list[int]) -> None:
+        self.states = _advance(self.params, self.config, np.asarray([ids], np.int32), self.states, self.runtime)
+        self.tokens += len(ids)
+
+
+def embed_stream(params, config, id_pieces: Iterable[Sequence[int]], *, vertical_chunk_size: int,
+                 chunk_size: int | None = None, normalize: bool = True, kernels: str = "auto") -> jax.Array:
+    """The embedding [d] of the concatenated id pieces (the last id is pooled: end them with EOS),
+    computed V tokens at a time from carried states, in memory independent of the total length."""
+    stream = StateStream(params, config, vertical_chunk_size=vertical_chunk_size, normalize=normalize,
+                         runtime=Runtime(config.chunk_size if chunk_size is None else chunk_size, kernels))
+    total = 0
+    for i, piece in enumerate(id_pieces):
+        if len(piece):
+            try:
+                check_token_ids([piece], config.vocab_size)
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"piece {i}: {err}") from None
+        stream.feed(piece)
+        total += len(piece)
+    if not total:
+        raise ValueError("no token ids to embed (every piece was empty)")
+    return stream.embedding([])
+
+
+def embed_sections(params, config, sections: Iterable[Sequence[int]], eos: int, *, vertical_chunk_size: int,
+                   chunk_size: int | None = None, normalize: bool = True, kernels: str = "auto") -> jax.Array:
+    """Row i: the embedding of sections[0] + ... + sections[i] + [eos], i.e. exactly
+    `embed(params, config, [ids_0 + ... + ids_i + [eos]], ...)`, for one pass over the sections plus one
+    EOS step each. [n, d]."""
+    stream = StateStream(params, config, vertical_chunk_size=vertical_chunk_size, normalize=normalize,
+                         runtime=Runtime(config.chunk_size if chunk_size is None else chunk_size, kernels))
+    rows = []
+    for i, ids in enumerate(sections):
+        if not len(ids):
+            raise ValueError(f"section {i} is empty (no tokens): every section needs at least one token")
+        try:
+            check_token_ids([ids], config.vocab_size)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"section {i}: {err}") from None
+        stream.feed(ids)
+        stream.flush()
+        rows.append(stream.embedding([eos]))
+    if not rows:
+        raise ValueError("no sections to embed")
+    return jnp.stack(rows)
+
+
+class IncrementalTokenizer:
+    """Token ids of a text that arrives in pieces, equal to tokenizing the concatenated text.
+
+    Text is held back from the start of its last whitespace run: tokenizers split there (byte-level BPE,
+    SentencePiece's metaspace, whitespace splitters), so the ids before it cannot change whatever follows.
+    Each commit is checked: the committed text tokenized alone must give the same ids. A text with no
+    whitespace is held until `finish`.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.prefix, self.suffix = special_ids(tokenizer)
+        self.buffer = ""
+        self.started = False
+
+    def feed(self, text: str) -> list[int]:
+        self.buffer += text
+        cut = _last_whitespace_run(self.buffer)
+        if cut <= 0:
+            return self._start([])
+        head = self.buffer[:cut]
+        ids = self._ids(self.buffer)
+        offsets = self._offsets
+        n = 0
+        while n < len(ids) and offsets[n][1] <= cut:
+            n += 1
+        committed = ids[:n]
+        if not n or self._ids(head) != committed:  # not a stable split for this tokenizer: hold everything
+            return self._start([])
+        self.buffer = self.buffer[cut:]
+        return self._start(committed)
+
+    def finish(self) -> list[int]:
+        ids = self._ids(self.buffer) if self.buffer else []
+        self.buffer = ""
+        return self._start(ids) + list(self.suffix)
+
+    def _start(self, ids: list[int]) -> list[int]:
+        if not self.started and ids:
+            self.started = True
+            return list(self.prefix) + ids
+        return ids
+
+    def _ids(self, text: str) -> list[int]:
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        self._offsets = enc["offset_mapping"]
+        return list(enc["input_ids"])
+
+
+def special_ids(tokenizer) -> tuple[list[int], list[int]]:
+    """The special ids the tokenizer puts before and after a text (e.g. [bos] and [])."""
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    for i in range(len(full) - len(bare) + 1):
+        if full[i: i + len(bare)] == bare:
+            return list(full[:i]), list(full[i + len(bare):])
+    raise ValueError("cannot tell the tokenizer's special tokens apart from the text's")
+
+
+def _last_whitespace_run(text: str) -> int:
+    """The start of the last run of whitespace that follows a non-whitespace character (0: none)."""
+    i = len(text)
+    while i > 0 and not text[i - 1].isspace():
+        i -= 1
+    while i > 0 and text[i - 1].isspace():
+        i -= 1
+    return i
+
+
+def stream_ids(tokenizer, pieces: Iterable[str]) -> Iterator[list[int]]:
+    """Token ids of the concatenated pieces, piece by piece (see `IncrementalTokenizer`)."""
+    inc = IncrementalTokenizer(tokenizer)
+    for i, piece in enumerate(pieces):
+        if not isinstance(piece, str):
+            raise TypeError(f"piece {i} is a {type(piece).__name__}, not a string")
+        yield inc.feed(piece)
+    yield inc.finish()
