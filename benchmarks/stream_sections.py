@@ -8,8 +8,9 @@
    text pieces (stdlib sources, repeated) of about N tokens; the process's peak RSS (VmHWM) and tokens/s.
    Ratio: the longest against the shortest (the acceptance: <= 1.10 from 64k to 1M).
 2. cost: a random document of --doc-tokens ids cut into --sections equal sections: `encode_id_sections`
-   (every section's contextual embedding) against `encode_ids` of the whole document + EOS, the same V,
-   min of 3 timed calls after a warm-up (compilation excluded). The acceptance: <= 1.15x.
+   (every section's contextual embedding, sections streamed) and the jitted `embed_sections` (boundaries
+   an array) against `encode_ids` of the whole document + EOS, the same V, min of 3 timed calls after a
+   warm-up (compilation excluded). The acceptance: <= 1.15x.
 """
 
 from __future__ import annotations
@@ -69,9 +70,11 @@ def point(config: Path, tokens: int) -> dict:
 
 
 def cost(config: Path, doc_tokens: int, n_sections: int) -> dict:
+    import jax
     import numpy as np
 
     from jaxembed.bench.measure import time_run
+    from jaxembed.stream import embed_sections
 
     model = _embedder(config)
     ids = np.random.default_rng(0).integers(1, model.vocab_size, doc_tokens).tolist()
@@ -80,7 +83,12 @@ def cost(config: Path, doc_tokens: int, n_sections: int) -> dict:
     V = model.resolve_vertical_chunk_size("auto", 1)
     whole = time_run(lambda: model.encode_ids([ids + [model.eos_token_id]], vertical_chunk_size=V), repeats=3)
     contextual = time_run(lambda: model.encode_id_sections(sections, vertical_chunk_size=V), repeats=3)
-    return {"V": V, "whole_s": whole.min_s, "sections_s": contextual.min_s}
+    ends = np.arange(1, n_sections + 1, dtype=np.int32) * size
+    doc = np.asarray(ids, np.int32)
+    jitted = time_run(lambda: jax.block_until_ready(embed_sections(model.params, model.config, doc, ends,
+                                                                   eos=model.eos_token_id, vertical_chunk_size=V)),
+                      repeats=3)
+    return {"V": V, "whole_s": whole.min_s, "sections_s": contextual.min_s, "jit_s": jitted.min_s}
 
 
 def main(argv=None) -> int:
@@ -119,6 +127,8 @@ def main(argv=None) -> int:
     print(f"| encode_ids of the whole document (1 embedding) | {costs['whole_s']:.3f} | 1.00 |")
     print(f"| encode_id_sections, {args.sections} sections ({args.sections} embeddings) | {costs['sections_s']:.3f} | "
           f"**{costs['sections_s'] / costs['whole_s']:.3f}** |")
+    print(f"| embed_sections, one jitted program, boundaries an array | {costs['jit_s']:.3f} | "
+          f"**{costs['jit_s'] / costs['whole_s']:.3f}** |")
     return 0
 
 

@@ -189,12 +189,14 @@ class Embedder:
 
     # ---- streams and sections (jaxembed.stream) ------------------------------------------
     def encode_stream(self, pieces: Iterable[str], *, prompt: str | None = None, normalize_embeddings: bool = True,
-                      vertical_chunk_size: int | str = "auto", show_progress_bar: bool | None = None) -> np.ndarray:
+                      vertical_chunk_size: int | str | None = "auto", show_progress_bar: bool | None = None
+                      ) -> np.ndarray:
         """The embedding [d] of the concatenated pieces (any iterable of strings: a generator, a file's
         lines) with EOS appended, exactly `encode("".join(pieces))`, in memory that does not depend on the
         total length: ids are made incrementally and run V at a time from carried per-layer states.
 
-        prompt: a literal prefix (e.g. `query_prompt(...)`). vertical_chunk_size: "auto" or V (a multiple of Q).
+        prompt: a literal prefix (e.g. `query_prompt(...)`). vertical_chunk_size: "auto", V (a multiple of Q), or
+        None (horizontal: the ids are kept and run in one pass at the end, so memory grows with the length).
         """
         from jaxembed.stream import StateStream, stream_ids
 
@@ -225,7 +227,7 @@ class Embedder:
         return out
 
     def encode_sections(self, sections: Iterable[str], *, prompt: str | None = None,
-                        normalize_embeddings: bool = True, vertical_chunk_size: int | str = "auto",
+                        normalize_embeddings: bool = True, vertical_chunk_size: int | str | None = "auto",
                         show_progress_bar: bool | None = None) -> np.ndarray:
         """Contextual section embeddings [n, d] in one pass: row i embeds sections 0..i followed by EOS,
         exactly `encode_ids([ids_0 + ... + ids_i + [eos]])[0]`, where ids_i is section i tokenized on its
@@ -263,23 +265,21 @@ class Embedder:
         return out
 
     def encode_id_sections(self, sections: Iterable[Sequence[int]], *, normalize_embeddings: bool = True,
-                           vertical_chunk_size: int | str = "auto") -> np.ndarray:
+                           vertical_chunk_size: int | str | None = "auto") -> np.ndarray:
         """`encode_sections` for token-id sections used as given: row i embeds sections 0..i + [EOS]."""
-        from jaxembed.stream import embed_sections
+        from jaxembed.stream import embed_section_stream
 
-        out = embed_sections(self.params, self.config, sections, self.eos_token_id,
+        out = embed_section_stream(self.params, self.config, sections, self.eos_token_id,
                              vertical_chunk_size=self._stream_chunk_size(vertical_chunk_size),
                              chunk_size=self.chunk_size, normalize=normalize_embeddings, kernels=self.kernels)
         return np.asarray(out, np.float32)
 
-    def _stream_chunk_size(self, vertical_chunk_size) -> int:
-        V = self.resolve_vertical_chunk_size(vertical_chunk_size, 1)
-        if V is None:
-            raise ValueError(f"streams and sections run V tokens at a time from carried states: pass "
-                             f"vertical_chunk_size='auto' or a multiple of Q={self.chunk_size} (got None)"
-                             if self.family.VERTICAL else f"{self.config.architecture} models have no "
-                             "constant-size state: they cannot stream or fork states")
-        return V
+    def _stream_chunk_size(self, vertical_chunk_size) -> int | None:
+        """V for streams and sections ("auto": the batch-1 default; None: horizontal, one pass at the end)."""
+        if not self.family.VERTICAL:
+            raise ValueError(f"{self.config.architecture} models have no constant-size state: they cannot stream "
+                             "or fork states")
+        return self.resolve_vertical_chunk_size(vertical_chunk_size, 1)
 
     def _runtime(self):
         from jaxembed.runtime import Runtime

@@ -48,10 +48,10 @@ def _pool(params, config, ids, length, states, runtime: Runtime, normalize: bool
     return out
 
 
-def piece_lengths(n: int, V: int) -> list[int]:
-    """n as V, V, ..., then the binary digits of the rest: exact pieces from few compiled shapes."""
-    out = [V] * (n // V)
-    rest = n % V
+def piece_lengths(n: int, V: int | None) -> list[int]:
+    """n as V, V, ..., then the binary digits of the rest (V None: of n): exact pieces from few compiled shapes."""
+    out = [] if V is None else [V] * (n // V)
+    rest = n if V is None else n % V
     bit = 1 << max(0, rest.bit_length() - 1)
     while rest:
         if rest & bit:
@@ -64,13 +64,16 @@ def piece_lengths(n: int, V: int) -> list[int]:
 class StateStream:
     """A document's per-layer states, advanced by token ids; `embedding(tail)` forks them at the end."""
 
-    def __init__(self, params, config, *, vertical_chunk_size: int, runtime: Runtime, normalize: bool = True):
+    def __init__(self, params, config, *, vertical_chunk_size: int | None, runtime: Runtime,
+                 normalize: bool = True):
+        """vertical_chunk_size: V, or None (horizontal: fed ids wait for `flush` / `embedding`, then run at
+        once; memory grows with the length)."""
         if not models.family(config).VERTICAL:
             raise ValueError(f"{config.architecture} models have no constant-size state: they cannot stream "
                              "or fork states (embed the whole text with encode / embed)")
         check_chunk_sizes(vertical_chunk_size, runtime.chunk_size)
         self.params, self.config, self.runtime, self.normalize = params, config, runtime, normalize
-        self.V = int(vertical_chunk_size)
+        self.V = None if vertical_chunk_size is None else int(vertical_chunk_size)
         self.states = init_states(config, 1)
         self.pending: list[int] = []  # ids not yet in the states (fewer than V after every `feed`)
         self.tokens = 0  # ids taken into the states
@@ -78,6 +81,8 @@ class StateStream:
     def feed(self, ids: Sequence[int]) -> None:
         """Take ids; every full V of them go into the states."""
         self.pending.extend(int(i) for i in ids)
+        if self.V is None:
+            return
         full = len(self.pending) // self.V * self.V
         for start in range(0, full, self.V):
             self._advance(self.pending[start: start + self.V])
@@ -103,7 +108,7 @@ class StateStream:
         self.tokens += len(ids)
 
 
-def embed_stream(params, config, id_pieces: Iterable[Sequence[int]], *, vertical_chunk_size: int,
+def embed_stream(params, config, id_pieces: Iterable[Sequence[int]], *, vertical_chunk_size: int | None,
                  chunk_size: int | None = None, normalize: bool = True, kernels: str = "auto") -> jax.Array:
     """The embedding [d] of the concatenated id pieces (the last id is pooled: end them with EOS),
     computed V tokens at a time from carried states, in memory independent of the total length."""
@@ -123,11 +128,12 @@ def embed_stream(params, config, id_pieces: Iterable[Sequence[int]], *, vertical
     return stream.embedding([])
 
 
-def embed_sections(params, config, sections: Iterable[Sequence[int]], eos: int, *, vertical_chunk_size: int,
-                   chunk_size: int | None = None, normalize: bool = True, kernels: str = "auto") -> jax.Array:
-    """Row i: the embedding of sections[0] + ... + sections[i] + [eos], i.e. exactly
-    `embed(params, config, [ids_0 + ... + ids_i + [eos]], ...)`, for one pass over the sections plus one
-    EOS step each. [n, d]."""
+def embed_section_stream(params, config, sections: Iterable[Sequence[int]], eos: int, *,
+                         vertical_chunk_size: int | None,
+                         chunk_size: int | None = None, normalize: bool = True, kernels: str = "auto"
+                         ) -> jax.Array:
+    """`embed_sections` for sections given one by one (any iterable of id lists, read as it goes): row i is
+    the embedding of sections[0] + ... + sections[i] + [eos]. [n, d]."""
     stream = StateStream(params, config, vertical_chunk_size=vertical_chunk_size, normalize=normalize,
                          runtime=Runtime(config.chunk_size if chunk_size is None else chunk_size, kernels))
     rows = []
@@ -223,3 +229,92 @@ def stream_ids(tokenizer, pieces: Iterable[str]) -> Iterator[list[int]]:
             raise TypeError(f"piece {i} is a {type(piece).__name__}, not a string")
         yield inc.feed(piece)
     yield inc.finish()
+
+
+def embed_sections(params, config, ids, boundaries, *, eos: int | None = None, vertical_chunk_size: int | None,
+                   chunk_size: int | None = None, normalize: bool = True, kernels: str = "auto") -> jax.Array:
+    """Contextual section embeddings of one document, jit-compatible (boundaries may be traced).
+
+    Args:
+      ids: int [t], the document's token ids.
+      boundaries: int [n], strictly increasing section ends in [1, t]: row i is the embedding of
+        ids[:boundaries[i]] followed by EOS, exactly `embed` of that prefix + [eos]. Checked when concrete;
+        under jit they are the caller's promise (clipped into range).
+      eos: the EOS id (default: the config's).
+      vertical_chunk_size: V, the largest piece run at once (a multiple of Q); None: no limit (horizontal).
+    Returns:
+      [n, d] float32.
+
+    One `lax.while_loop` walks the document in exact pieces, the largest power of two <= V that does not
+    cross the next boundary (`lax.switch` over log2(V) + 1 static sizes), and at each boundary runs EOS
+    from a copy of the per-layer states (the fork).
+    """
+    runtime = Runtime(config.chunk_size if chunk_size is None else chunk_size, kernels)
+    if not models.family(config).VERTICAL:
+        raise ValueError(f"{config.architecture} models have no constant-size state: they cannot fork states")
+    check_chunk_sizes(vertical_chunk_size, runtime.chunk_size)
+    eos = config.eos_token_id if eos is None else eos
+    if eos is None:
+        raise ValueError("no EOS id: pass eos= (the config names none)")
+    ids, boundaries = _checked_sections(config, ids, boundaries)
+    V = ids.shape[0] if vertical_chunk_size is None else int(vertical_chunk_size)
+    return _embed_sections(params, config, ids, boundaries, int(eos), V, runtime, bool(normalize))
+
+
+@partial(jax.jit, static_argnums=(1, 4, 5, 6, 7))
+def _embed_sections(params, config, ids, boundaries, eos: int, V: int, runtime: Runtime, normalize: bool):
+    t, n = ids.shape[0], boundaries.shape[0]
+    sizes = [1 << k for k in range(V.bit_length()) if 1 << k <= min(V, t)]
+    boundaries = jnp.clip(boundaries.astype(jnp.int32), 1, t)
+
+    def advance_by(size):
+        def run(states, pos):
+            piece = lax.dynamic_slice(ids, (pos,), (size,))[None]
+            return _layers(config, params, piece, states, runtime)[1]
+        return run
+
+    branches = [advance_by(size) for size in sizes]
+    family = models.family(config)
+
+    def fork(states):
+        x, _ = _layers(config, params, jnp.full((1, 1), eos, jnp.int32), states, runtime)
+        out = family.final_norm(config, params, models.hidden(config, x)[0, 0])
+        return out * lax.rsqrt(jnp.maximum(jnp.sum(out * out), 1e-24)) if normalize else out
+
+    def body(carry):
+        pos, i, states, out = carry
+        stop = boundaries[i]
+
+        def at_boundary(_):
+            return pos, i + 1, states, out.at[i].set(fork(states))
+
+        def advance(_):
+            # the largest size that fits before the next boundary: floor(log2(min(stop - pos, V)))
+            room = jnp.minimum(stop - pos, sizes[-1])
+            k = jnp.sum(jnp.asarray(sizes) <= room) - 1
+            return pos + jnp.asarray(sizes)[k], i, lax.switch(k, branches, states, pos), out
+
+        return lax.cond(pos == stop, at_boundary, advance, None)
+
+    carry = (jnp.int32(0), jnp.int32(0), init_states(config, 1), jnp.zeros((n, config.hidden_size), jnp.float32))
+    return lax.while_loop(lambda c: c[1] < n, body, carry)[3]
+
+
+def _checked_sections(config, ids, boundaries):
+    ids = jnp.asarray(ids)
+    boundaries = jnp.asarray(boundaries)
+    if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape[0] < 1:
+        raise ValueError(f"ids must be a non-empty int array [t] (one document), got {ids.dtype} {ids.shape}")
+    if boundaries.ndim != 1 or not jnp.issubdtype(boundaries.dtype, jnp.integer) or boundaries.shape[0] < 1:
+        raise ValueError(f"boundaries must be a non-empty int array [n] of section ends, got {boundaries.dtype} "
+                         f"{boundaries.shape}")
+    try:
+        concrete_ids, concrete = np.asarray(ids), np.asarray(boundaries)
+    except jax.errors.TracerArrayConversionError:
+        return ids.astype(jnp.int32), boundaries  # traced: the caller's promise
+    check_token_ids([concrete_ids], config.vocab_size)
+    t = ids.shape[0]
+    if concrete[0] < 1 or concrete[-1] > t or (np.diff(concrete) <= 0).any():
+        raise ValueError(f"boundaries must be strictly increasing section ends in [1, {t}] (every section at "
+                         f"least one token), got {concrete.tolist()[:16]}")
+    return ids.astype(jnp.int32), boundaries

@@ -14,7 +14,7 @@ from conftest import rel_err
 from jaxembed import embed, models
 from jaxembed.config import Mamba2Config, load_config
 from jaxembed.embedder import Embedder
-from jaxembed.stream import IncrementalTokenizer, embed_sections, piece_lengths, stream_ids
+from jaxembed.stream import IncrementalTokenizer, embed_section_stream, embed_sections, piece_lengths, stream_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 Q = 8
@@ -59,11 +59,14 @@ def test_stream_equals_encode_of_the_whole_text(embedder, V=Q):
         assert rel_err(got, ref[0]) <= 1e-5
     got = embedder.encode_stream(_random_pieces(TEXT, 7, 1), prompt=prompt, vertical_chunk_size=V)
     assert rel_err(got, ref[1]) <= 1e-5
+    horizontal = embedder.encode_stream(_random_pieces(TEXT, 7, 2), vertical_chunk_size=None)  # one pass at the end
+    assert rel_err(horizontal, ref[0]) <= 1e-5
 
 
 def test_sections_equal_the_embeddings_of_their_prefixes(embedder):
     """Row i of embed_sections = embed of sections 0..i + EOS, section lengths 1, 7, Q-1, Q, Q+1, 3Q+5 in
-    a shuffled order (21 sections), V = 2Q; and one section alone. (V = Q: notebook 06.)"""
+    a shuffled order (21 sections), V = 2Q, jitted with the boundaries traced; the streamed form, also
+    with one section alone. (V = Q: notebook 06.)"""
     cfg, eos = embedder.config, embedder.eos_token_id
     rng = np.random.default_rng(0)
     lengths = rng.permutation([1, 7, Q - 1, Q, Q + 1, 3 * Q + 5] * 3 + [2, Q + 1, 1]).tolist()
@@ -74,10 +77,18 @@ def test_sections_equal_the_embeddings_of_their_prefixes(embedder):
     for row, p in zip(ids, prefixes, strict=True):
         row[: len(p)] = p
     ref = np.asarray(embed(embedder.params, cfg, ids, np.array([len(p) for p in prefixes]), kernels="xla"))
-    got = np.asarray(embed_sections(embedder.params, cfg, sections, eos, vertical_chunk_size=2 * Q, kernels="xla"))
+    doc = np.array(sum(sections, []) + rng.integers(1, VOCAB, 5).tolist(), np.int32)  # tokens after the last end
+    ends = np.cumsum(lengths).astype(np.int32)
+    # jitted whole, the boundaries a traced array
+    run = jax.jit(lambda p, d, b: embed_sections(p, cfg, d, b, eos=eos, vertical_chunk_size=2 * Q, kernels="xla"))
+    got = np.asarray(run(embedder.params, doc, ends))
     errs = [rel_err(g, r) for g, r in zip(got, ref, strict=True)]
     assert max(errs) <= 1e-5, errs
-    one = embed_sections(embedder.params, cfg, [sections[0]], eos, vertical_chunk_size=2 * Q, kernels="xla")
+    # the streamed form (sections read one by one, as encode_sections does), and one section alone
+    streamed = np.asarray(embed_section_stream(embedder.params, cfg, iter(sections), eos, vertical_chunk_size=2 * Q,
+                                               kernels="xla"))
+    assert max(rel_err(g, r) for g, r in zip(streamed, ref, strict=True)) <= 1e-5
+    one = embed_section_stream(embedder.params, cfg, [sections[0]], eos, vertical_chunk_size=2 * Q, kernels="xla")
     assert one.shape == (1, cfg.hidden_size) and rel_err(one[0], ref[0]) <= 1e-5
 
 
@@ -86,13 +97,14 @@ def test_encode_sections_of_text(embedder, tokenizer):
     40 sections streamed from a generator."""
     sections = [f"def f{i}(x):\n    return x * {i}\n" if i % 3 else f"# part {i}: " + "words " * (i % 7 + 1)
                 for i in range(40)]
-    got = embedder.encode_sections((s for s in sections), vertical_chunk_size=2 * Q)
     ids = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in sections]
     picked = [0, 1, 13, 39]
     ref = embedder.encode_ids([sum(ids[: i + 1], []) + [embedder.eos_token_id] for i in picked],
                               vertical_chunk_size=None)
-    assert got.shape == (40, embedder.embedding_dim)
-    assert max(rel_err(got[i], r) for i, r in zip(picked, ref, strict=True)) <= 1e-5
+    for V in (2 * Q, None):  # None: horizontal, each section's pieces as large as they come
+        got = embedder.encode_sections((s for s in sections), vertical_chunk_size=V)
+        assert got.shape == (40, embedder.embedding_dim)
+        assert max(rel_err(got[i], r) for i, r in zip(picked, ref, strict=True)) <= 1e-5
 
 
 def test_incremental_tokenizer_matches_the_whole_text(tokenizer):
@@ -130,9 +142,11 @@ def test_bad_inputs_get_clear_errors(tokenizer):
         e.encode_stream(["", ""], vertical_chunk_size=Q)
     with pytest.raises(ValueError, match="not a multiple of the chunk size"):
         e.encode_stream(["abc"], vertical_chunk_size=Q + 1)
-    with pytest.raises(ValueError, match="pass vertical_chunk_size='auto'"):
-        e.encode_sections(["abc"], vertical_chunk_size=None)
     with pytest.raises(ValueError, match=r"ids\[0\]\[1\] = 384 is out of the vocabulary range"):
-        embed_sections(e.params, cfg, [[1, VOCAB]], 0, vertical_chunk_size=Q)
+        embed_sections(e.params, cfg, [1, VOCAB], [2], vertical_chunk_size=Q)
+    with pytest.raises(ValueError, match=r"strictly increasing section ends in \[1, 3\]"):
+        embed_sections(e.params, cfg, [1, 2, 3], [2, 2], vertical_chunk_size=Q)
+    with pytest.raises(ValueError, match="boundaries must be a non-empty int array"):
+        embed_sections(e.params, cfg, [1, 2, 3], [], vertical_chunk_size=Q)
     with pytest.raises(ValueError, match="section 0 is empty"):
-        embed_sections(e.params, cfg, [[]], 0, vertical_chunk_size=Q)
+        embed_section_stream(e.params, cfg, [[]], 0, vertical_chunk_size=Q)
