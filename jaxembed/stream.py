@@ -157,8 +157,10 @@ class IncrementalTokenizer:
 
     Text is held back from the start of its last whitespace run: tokenizers split there (byte-level BPE,
     SentencePiece's metaspace, whitespace splitters), so the ids before it cannot change whatever follows.
-    Each commit is checked: the committed text tokenized alone must give the same ids. A text with no
-    whitespace is held until `finish`.
+    The held-back text is tokenized after the last committed word as context, not as the start of a text,
+    so start-of-text rules (a `Prepend("▁")` normalizer, as in Llama and Mistral tokenizers) do not apply to
+    it. Each commit is checked: the committed text, tokenized the same way, must give the same ids. A run
+    of text with no whitespace is held until whitespace or `finish` comes.
     """
 
     def __init__(self, tokenizer):
@@ -166,6 +168,7 @@ class IncrementalTokenizer:
         self.prefix, self.suffix = special_ids(tokenizer)
         self.buffer = ""
         self.started = False
+        self.context, self._context_ids = "", []  # the last committed word and its ids
 
     def feed(self, text: str) -> list[int]:
         self.buffer += text
@@ -173,21 +176,30 @@ class IncrementalTokenizer:
         if cut <= 0:
             return self._start([])
         head = self.buffer[:cut]
-        ids = self._ids(self.buffer)
-        offsets = self._offsets
+        encoded = self._encode(self.buffer)
+        if encoded is None:
+            return self._start([])
+        ids, offsets = encoded
         n = 0
         while n < len(ids) and offsets[n][1] <= cut:
             n += 1
         committed = ids[:n]
-        if not n or self._ids(head) != committed:  # not a stable split for this tokenizer: hold everything
+        if not n or self._encode(head) != (committed, offsets[:n]):  # not a stable split here: hold everything
             return self._start([])
         self.buffer = self.buffer[cut:]
+        word = head.split()[-1]  # head ends in a non-whitespace character
+        context_ids = self._encode(word, context="")
+        if context_ids is not None:
+            self.context, self._context_ids = word, context_ids[0]
         return self._start(committed)
 
     def finish(self) -> list[int]:
-        ids = self._ids(self.buffer) if self.buffer else []
+        encoded = self._encode(self.buffer) if self.buffer else ([], [])
+        if encoded is None:
+            raise ValueError("the stream's tokens cannot be made incrementally with this tokenizer (its ids "
+                             "for a text depend on what came before); embed the text whole with encode")
         self.buffer = ""
-        return self._start(ids) + list(self.suffix)
+        return self._start(encoded[0]) + list(self.suffix)
 
     def _start(self, ids: list[int]) -> list[int]:
         if not self.started and ids:
@@ -195,10 +207,18 @@ class IncrementalTokenizer:
             return list(self.prefix) + ids
         return ids
 
-    def _ids(self, text: str) -> list[int]:
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        self._offsets = enc["offset_mapping"]
-        return list(enc["input_ids"])
+    def _encode(self, text: str, context: str | None = None):
+        """(ids, char offsets) of `text` tokenized after the context, or None when the context's ids are not
+        a prefix of the result (no clean split)."""
+        context = self.context if context is None else context
+        context_ids = self._context_ids if context == self.context else []
+        enc = self.tokenizer(context + text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        n = len(context_ids)
+        if ids[:n] != context_ids:
+            return None
+        shift = len(context)
+        return ids[n:], [(a - shift, b - shift) for a, b in offsets[n:]]
 
 
 def special_ids(tokenizer) -> tuple[list[int], list[int]]:

@@ -120,6 +120,31 @@ def test_incremental_tokenizer_matches_the_whole_text(tokenizer):
     assert sum(parts, []) == tokenizer("a   b\t\n c")["input_ids"]
 
 
+def test_incremental_tokenizer_with_a_start_of_text_rule():
+    """Llama / Mistral tokenizers prepend "▁" to a text (a Prepend normalizer, metaspace): the held-back text
+    must not be tokenized as the start of a text."""
+    import itertools
+
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+    from tokenizers import models as tokenizer_models
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxembed.testing import local_corpus
+
+    tok = Tokenizer(tokenizer_models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="never")
+    tok.train_from_iterator(itertools.islice(local_corpus(), 2000),
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<unk>"], show_progress=False))
+    metaspace = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+    whole = metaspace(TEXT)["input_ids"]
+    for seed in range(3):
+        chunks = list(stream_ids(metaspace, _random_pieces(TEXT, 40, seed)))
+        assert sum(chunks, []) == whole
+        assert sum(len(c) for c in chunks[: len(chunks) // 2]) > len(whole) // 4
+
+
 def test_piece_lengths_are_exact_and_few_shapes():
     for n in (0, 1, 7, 8, 9, 29, 64, 1000):
         pieces = piece_lengths(n, 16)
