@@ -16,6 +16,10 @@ from jaxembed import xla_cpu
 
 xla_cpu.apply()  # before any JAX backend starts: XLA:CPU's YNN fusions off (see xla_cpu.py)
 
+from jaxembed import compile_cache  # noqa: E402
+
+compile_cache.apply()  # JAX's persistent compilation cache in ~/.cache/jaxembed/xla unless set or turned off
+
 from jaxembed.config import ConfigError, Mamba2Config, load_config  # noqa: E402
 from jaxembed.embedder import QUERY_TEMPLATE, Embedder, load_tokenizer  # noqa: E402
 from jaxembed.schedule import embed, forward  # noqa: E402

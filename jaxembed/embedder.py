@@ -187,6 +187,30 @@ class Embedder:
         """Documents are embedded without instruction, so a corpus is embedded once for all tasks."""
         return self.encode(texts, **kwargs)
 
+    def warmup(self, max_length: int, *, batch_size: int = 32, vertical_chunk_size: int | None | str = "auto",
+               max_tokens_per_batch: int | None = None, normalize_embeddings: bool = True) -> list[tuple[int, int]]:
+        """Compile ahead the programs `encode(..., batch_size=...)` runs for texts of up to `max_length` tokens
+        (EOS included): one per length bucket (`bucket_length`: powers of two up to Q, then Q times 1, 2, 3, 4,
+        6, 8, 12, ...; at most 2x padding, 1.25x beyond 32Q), for a full batch. A smaller last batch
+        compiles on first use. With the persistent compilation cache (`jaxembed.compile_cache`) the programs
+        are written to disk, so a later process loads them instead of compiling. Returns the [rows, length]
+        shapes compiled."""
+        check_positive_int("max_length", max_length)
+        check_positive_int("batch_size", batch_size)
+        budget = max_tokens_per_batch if max_tokens_per_batch is not None else self.max_tokens_per_batch
+        shapes, n = [], 1
+        while n <= max_length:
+            length = bucket_length(n, self.chunk_size)
+            rows = batch_size if budget is None else max(1, min(batch_size, budget // length))
+            V = self.resolve_vertical_chunk_size(vertical_chunk_size, rows)
+            # one call on zeros (AOT `lower().compile()` would not fill jit's own cache of programs)
+            jax.block_until_ready(embed_jit(self.params, self.config, np.zeros((rows, length), np.int32),
+                                            np.ones(rows, np.int32), vertical_chunk_size=V, chunk_size=self.chunk_size,
+                                            normalize=normalize_embeddings, kernels=self.kernels))
+            shapes.append((rows, length))
+            n = length + 1
+        return shapes
+
     # ---- streams and sections (jaxembed.stream) ------------------------------------------
     def encode_stream(self, pieces: Iterable[str], *, prompt: str | None = None, normalize_embeddings: bool = True,
                       vertical_chunk_size: int | str | None = "auto", show_progress_bar: bool | None = None

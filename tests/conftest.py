@@ -9,6 +9,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download anything
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# no persistent compilation cache in ~/.cache from the suite (tests/test_warm_start.py checks it in subprocesses)
+os.environ.setdefault("JAXEMBED_COMPILATION_CACHE", "off")
 warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
 
 from jaxembed.testing import (  # noqa: E402,F401
