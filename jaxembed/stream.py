@@ -30,14 +30,14 @@ from jaxembed.text import bucket_length, check_token_ids
 
 
 @partial(jax.jit, static_argnums=(1, 4))
-def _advance(params, config, ids, states, runtime: Runtime):
+def _advance_states(params, config, ids, states, runtime: Runtime):
     """The per-layer states after ids [b, n] (exact: no padding)."""
     _, states = _layers(config, params, ids, states, runtime)
     return states
 
 
 @partial(jax.jit, static_argnums=(1, 5, 6))
-def _pool(params, config, ids, length, states, runtime: Runtime, normalize: bool):
+def _pool_from(params, config, ids, length, states, runtime: Runtime, normalize: bool):
     """The final-norm output at position length-1 of ids [1, n] (right-padded), run from `states`
     (which are not returned: this is the fork)."""
     x, _ = _layers(config, params, ids, states, runtime)
@@ -101,10 +101,12 @@ class StateStream:
         ids = self.pending + [int(i) for i in tail]
         padded = np.zeros((1, bucket_length(len(ids), self.runtime.chunk_size)), np.int32)
         padded[0, : len(ids)] = ids
-        return _pool(self.params, self.config, padded, np.int32(len(ids)), self.states, self.runtime, self.normalize)
+        return _pool_from(self.params, self.config, padded, np.int32(len(ids)), self.states, self.runtime,
+                          self.normalize)
 
     def _advance(self, ids: list[int]) -> None:
-        self.states = _advance(self.params, self.config, np.asarray([ids], np.int32), self.states, self.runtime)
+        self.states = _advance_states(self.params, self.config, np.asarray([ids], np.int32), self.states,
+                                      self.runtime)
         self.tokens += len(ids)
 
 

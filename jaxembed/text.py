@@ -39,6 +39,13 @@ def batch_bucket(n: int, max_rows: int) -> int:
     return min(max_rows, 1 << max(0, n - 1).bit_length())
 
 
+def cut_ids(ids: list[int], max_length: int | None, eos: int) -> tuple[list[int], bool]:
+    """ids cut to max_length keeping the EOS at the end, and whether they were cut."""
+    if max_length is None or len(ids) <= max_length:
+        return ids, False
+    return ids[: max_length - 1] + [eos], True
+
+
 def tokenize_texts(tokenizer, texts, eos: int, max_length: int | None = None) -> tuple[list[list[int]], int]:
     """(token ids with EOS appended, number of texts cut to max_length). A cut text keeps its EOS."""
     encoded = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
@@ -47,9 +54,8 @@ def tokenize_texts(tokenizer, texts, eos: int, max_length: int | None = None) ->
         ids = list(ids)
         if not ids or ids[-1] != eos:
             ids.append(eos)
-        if max_length is not None and len(ids) > max_length:
-            ids = ids[: max_length - 1] + [eos]
-            truncated += 1
+        ids, cut = cut_ids(ids, max_length, eos)
+        truncated += cut
         out.append(ids)
     return out, truncated
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from jaxembed.text import bucket_length, tokenize_texts
+from jaxembed.text import bucket_length, cut_ids, tokenize_texts
 
 CACHE_FORMAT = 1  # bump when the cached columns change
 
@@ -133,9 +133,9 @@ def tokenize_sources(
         def encode(batch, source=source):
             queries = [query_text(i, q, source) for q, i in zip(batch["query"], batch["instruction"], strict=True)]
             flat_negatives = [n for negs in batch["negatives"] for n in negs]
-            ids, _ = tokenize_texts(tokenizer, queries + batch["positive"] + flat_negatives, eos)
-            cut = [len(x) > max_tokens for x in ids]
-            ids = [x if len(x) <= max_tokens else x[: max_tokens - 1] + [eos] for x in ids]
+            full, _ = tokenize_texts(tokenizer, queries + batch["positive"] + flat_negatives, eos)
+            pairs = [cut_ids(x, max_tokens, eos) for x in full]
+            ids, cut = [x for x, _ in pairs], [c for _, c in pairs]
             b, k = len(queries), negatives_per_query
             per_row_cut = np.array(cut[:b], np.int32) + np.array(cut[b: 2 * b], np.int32)
             if k:
