@@ -220,6 +220,29 @@ def test_full_training_config():
         config_from_dict({**base, "lora": None, "quantization": "nf4"})
 
 
+def test_init_options_reach_the_family_init():
+    """model.init_options are the family's init keywords (Mamba2: mamba_ssm's A_init_range, dt_min, ...);
+    an option the family does not take is an error that lists the ones it does."""
+    from jaxembed.train.config import config_from_dict
+    from jaxembed.train.trainer import init_params
+
+    base = {"model": {"init": "configs/models/tiny-train-mamba2.yaml", "init_options": {"A_init_range": [0.01, 1.0],
+                                                                                        "D_init": 0.5}},
+            "data": {"train": ["x.jsonl"]}}
+    cfg = config_from_dict(base)
+    from jaxembed.config import load_config
+
+    arch = load_config(ROOT / cfg.model.init)
+    params = init_params(arch, cfg.model)
+    a = np.exp(np.asarray(params["layers"]["A_log"]))
+    assert 0.01 <= a.min() and a.max() <= 1.0 and np.all(np.asarray(params["layers"]["D"]) == 0.5)
+    bad = dataclasses.replace(cfg.model, init_options={"A_range": [1, 2]})
+    with pytest.raises(ConfigError, match=r"\['A_range'\] not understood by mamba2; it takes \['A_init_range', 'D"):
+        init_params(arch, bad)
+    with pytest.raises(ConfigError, match="A_init_range must be 0 < low <= high"):
+        init_params(arch, dataclasses.replace(cfg.model, init_options={"A_init_range": [2, 1]}))
+
+
 def test_grad_cache_auto_fits_the_step_in_memory(tmp_path):
     """grad_cache_size: auto picks the largest GradCache size whose compiled step (memory_analysis)
     fits the device; an explicit size that does not fit is an error naming one that does."""

@@ -153,8 +153,17 @@ VERTICAL = True  # a constant-size state per layer: vertically chunked inference
 LINEAR_PARAMS = ("in_proj", "out_proj")
 
 
-def init_params(cfg: Mamba2Config, key: jax.Array, dtype=F32) -> dict:
-    """Random parameters with mamba_ssm's initialisation ranges (for tests, benchmarks and training from scratch)."""
+def init_params(cfg: Mamba2Config, key: jax.Array, dtype=F32, *, A_init_range=(1.0, 16.0), dt_min=0.001,
+                dt_max=0.1, dt_init_floor=1e-4, D_init=1.0) -> dict:
+    """Random parameters with mamba_ssm's initialisation ranges (for tests, benchmarks and training from scratch).
+
+    The keyword ranges are mamba_ssm's Mamba2 arguments (A ~ U(A_init_range), dt log-uniform in
+    [dt_min, dt_max]). Its defaults suit language modelling; for contrastive training from scratch,
+    A_init_range (0.01, 1) gives heads that remember the whole text at init, so the EOS embedding
+    is not a function of the last few tokens alone (docs/training.md, "Mamba2 from scratch").
+    """
+    check_init_range("A_init_range", A_init_range)
+    check_init_range("dt_min, dt_max", (dt_min, dt_max))
     shapes = param_shapes(cfg)
     keys = iter(jax.random.split(key, 16))
     L, h = cfg.n_layers, cfg.n_heads
@@ -163,15 +172,15 @@ def init_params(cfg: Mamba2Config, key: jax.Array, dtype=F32) -> dict:
         return (scale * jax.random.normal(next(keys), shape, F32)).astype(dtype)
 
     dt = jnp.exp(
-        jax.random.uniform(next(keys), (L, h), F32) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)
-    ).clip(1e-4)
+        jax.random.uniform(next(keys), (L, h), F32) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)
+    ).clip(dt_init_floor)
     layers = {
         "norm": jnp.ones(shapes["layers"]["norm"], dtype),
         "in_proj": normal(shapes["layers"]["in_proj"], cfg.d_model**-0.5),
         "conv_weight": normal(shapes["layers"]["conv_weight"], cfg.d_conv**-0.5),
         "dt_bias": dt + jnp.log(-jnp.expm1(-dt)),  # inverse softplus
-        "A_log": jnp.log(jax.random.uniform(next(keys), (L, h), F32, 1.0, 16.0)),
-        "D": jnp.ones(shapes["layers"]["D"], F32),
+        "A_log": jnp.log(jax.random.uniform(next(keys), (L, h), F32, *map(float, A_init_range))),
+        "D": jnp.full(shapes["layers"]["D"], float(D_init), F32),
         "mixer_norm": jnp.ones(shapes["layers"]["mixer_norm"], dtype),
         "out_proj": normal(shapes["layers"]["out_proj"], (cfg.d_inner * cfg.n_layers) ** -0.5),
     }
@@ -186,6 +195,12 @@ def init_params(cfg: Mamba2Config, key: jax.Array, dtype=F32) -> dict:
     if "lm_head" in shapes:
         params["lm_head"] = normal(shapes["lm_head"], cfg.d_model**-0.5)
     return params
+
+
+def check_init_range(name: str, bounds) -> None:
+    low, high = (float(v) for v in bounds)
+    if not 0 < low <= high:
+        raise ConfigError(f"{name} must be 0 < low <= high, got {tuple(bounds)}")
 
 
 def init_state(cfg: Mamba2Config, batch: int) -> State:

@@ -39,6 +39,8 @@ class ModelSection:
     kernels: str = "auto"
     chunk_size: int | None = None
     seed: int = 0  # for `init`
+    # keyword arguments of the family's init_params, e.g. Mamba2's {A_init_range: [0.01, 1]} (docs/training.md)
+    init_options: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ progress bar; every process takes part in checkpoints (orbax) and in the export'
 from __future__ import annotations
 
 import glob
+import inspect
 import json
 import os
 import signal
@@ -60,7 +61,7 @@ def load_model(cfg: TrainConfig):
         tokenizer = _tokenizer(m.tokenizer, directory)
     else:
         config = load_config(m.init)
-        params = models.family(config).init_params(config, jax.random.key(m.seed))
+        params = init_params(config, m)
         tokenizer = _tokenizer(m.tokenizer, None)
     if tokenizer is None:
         raise ConfigError("model.tokenizer: the model has no tokenizer; name one (a path, a hub id or 'stdlib-bpe:N')")
@@ -69,6 +70,20 @@ def load_model(cfg: TrainConfig):
             f"model.tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {config.vocab_size}"
         )
     return config, params, tokenizer, settings
+
+
+def init_params(config, m):
+    """Random weights for `model.init`, with `model.init_options` as the family's init keywords."""
+    init = models.family(config).init_params
+    if m.init_options and m.path is not None:
+        raise ConfigError("model.init_options applies to `init` (random weights), not to a checkpoint `path`")
+    accepted = {name for name, p in inspect.signature(init).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    unknown = sorted(set(m.init_options) - accepted)
+    if unknown:
+        raise ConfigError(f"model.init_options: {unknown} not understood by {config.architecture}; "
+                          f"it takes {sorted(accepted) or 'none'}")
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in m.init_options.items()}
+    return init(config, jax.random.key(m.seed), **options)
 
 
 def _tokenizer(spec, directory):
