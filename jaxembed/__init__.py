@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 
 
 def load(path, *, dtype=None, tokenizer=None, chunk_size=None, query_template=None, default_instruction=None,
-         max_tokens_per_batch=None, kernels="auto", verify=True) -> Embedder:
+         max_tokens_per_batch=None, kernels="auto", verify=True, revision=None) -> Embedder:
     """An `Embedder` from a converted directory (`jaxembed convert`) or a Hugging Face-format
     directory or hub id (transformers, mamba_ssm or Codestral layout, converted in memory).
 
@@ -39,6 +39,7 @@ def load(path, *, dtype=None, tokenizer=None, chunk_size=None, query_template=No
     kernels: "auto" (Pallas kernels on GPU, XLA elsewhere), "pallas", "interpret" or "xla".
     verify: check every tensor of a converted checkpoint against the checksums recorded when it
     was written (a corrupt file is an error naming the tensor); False skips the check.
+    revision: for a hub id, the branch, tag or commit to download (default: main).
     """
     from jaxembed import checkpoint
 
@@ -51,7 +52,7 @@ def load(path, *, dtype=None, tokenizer=None, chunk_size=None, query_template=No
             ok = False
         if not ok:
             raise ValueError(f"dtype must be None, 'float32' or 'bfloat16', got {dtype!r}")
-    config, params, settings, directory, fingerprint = checkpoint.open_model(path, verify=verify)
+    config, params, settings, directory, fingerprint = checkpoint.open_model(path, verify=verify, revision=revision)
     return Embedder(
         params,
         config,

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import orbax.checkpoint as ocp
 
 from jaxembed.config import config_from_dict
+from jaxembed.errors import ConversionError
 
 MANIFEST = "jaxembed.json"
 FORMAT_VERSION = 1
@@ -291,7 +292,7 @@ class OpenedModel(NamedTuple):
     fingerprint: str | None  # identity of a converted checkpoint (None: computed when asked, from params)
 
 
-def open_model(path, *, verify: bool = True) -> OpenedModel:
+def open_model(path, *, verify: bool = True, revision: str | None = None) -> OpenedModel:
     """A converted directory (`jaxembed convert`, checksums verified) or a Hugging Face-format
     checkpoint (a directory or hub id in any supported layout, converted in memory). The one way
     `jaxembed.load` and the trainer open a model."""
@@ -301,9 +302,12 @@ def open_model(path, *, verify: bool = True) -> OpenedModel:
         raise TypeError(f"the model path must be a directory path or a hub id, got {path!r}")
     directory = Path(path).expanduser()
     if directory.is_dir() and is_converted(directory):
+        if revision is not None:
+            raise ConversionError(f"{path}: revision={revision!r} applies to Hugging Face hub ids, but this is a "
+                                  "local jaxembed model")
         config, params, settings, ident = load(directory, verify=verify)
         return OpenedModel(config, params, settings, directory, ident)
-    ck = read_checkpoint(path)
+    ck = read_checkpoint(path, revision=revision)
     return OpenedModel(ck.config, ck.params, {}, ck.directory, None)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxembed.files import write_atomically
+from jaxembed.quantize import PRECISIONS, check_output_options, quantize_embeddings, truncate_embeddings
 
 
 def _vertical(value: str):
@@ -80,6 +81,7 @@ def cmd_convert(args) -> int:
     out = convert(
         args.src, args.dst, dtype=args.dtype, verify=args.verify, tokenizer=args.tokenizer,
         query_template=args.query_template, default_instruction=args.default_instruction, overwrite=args.overwrite,
+        revision=args.revision,
     )
     print(f"converted {args.src} -> {out}")
     return 0
@@ -124,6 +126,8 @@ def _cmd_embed_long(args, model) -> int:
         raise ValueError(f"{path}: no such file")
     options = dict(normalize_embeddings=not args.no_normalize, vertical_chunk_size=args.vertical_chunk_size,
                    show_progress_bar=not args.quiet)
+    output = _output_options(args)
+    check_output_options(model.embedding_dim, rows=1 if args.stream else None, **output)  # before the work
     prompt = model.query_prompt(args.instruction) or None if args.query else None
     if args.stream:
         emb = model.encode_stream(_file_blocks(path), prompt=prompt, **options)[None]
@@ -139,10 +143,34 @@ def _cmd_embed_long(args, model) -> int:
     else:
         emb = model.encode_sections(_separated_sections(path, args.separator), prompt=prompt, **options)
         rows = [{"file": str(path), "section": i} for i in range(len(emb))]
-    _write_embeddings(args.output, [{**r, "embedding": np.round(v.astype(float), 7).tolist()}
-                                    for r, v in zip(rows, emb, strict=True)], emb)
+    if output["truncate_dim"] is not None:
+        emb = truncate_embeddings(emb, output["truncate_dim"], normalize=not args.no_normalize)
+    emb = quantize_embeddings(emb, output["precision"], ranges=output.get("ranges"),
+                              calibration_embeddings=output.get("calibration_embeddings"))
+    _write_embeddings(args.output, [{**r, "embedding": _json_vector(v)} for r, v in zip(rows, emb, strict=True)], emb)
     print(f"embedded {path} into {len(emb)} embedding(s)", file=sys.stderr)
     return 0
+
+
+def _output_options(args) -> dict:
+    """--precision, --truncate-dim, --ranges / --calibration as encode's keyword arguments."""
+    if args.ranges is not None and args.calibration is not None:
+        raise ValueError("--ranges and --calibration are two ways to set the int8/uint8 buckets: give one")
+    arrays = {}
+    for name, path in (("ranges", args.ranges), ("calibration_embeddings", args.calibration)):
+        if path is not None:
+            if not path.is_file():
+                raise ValueError(f"--{name.split('_')[0]} {path}: no such file")
+            try:
+                arrays[name] = np.load(path, allow_pickle=False)
+            except (ValueError, OSError) as err:
+                raise ValueError(f"--{name.split('_')[0]} {path}: not a .npy array ({err})") from None
+    return dict(precision=args.precision, truncate_dim=args.truncate_dim, **arrays)
+
+
+def _json_vector(vec) -> list:
+    """Quantised embeddings as their integers, float ones to 7 decimals."""
+    return vec.tolist() if vec.dtype.kind in "iu" else np.round(vec.astype(float), 7).tolist()
 
 
 def _write_embeddings(output: Path | None, records: list[dict], emb) -> None:
@@ -157,6 +185,10 @@ def _write_embeddings(output: Path | None, records: list[dict], emb) -> None:
 
 
 def cmd_embed(args) -> int:
+    if args.corpus is not None or args.output_dir is not None:  # corpus-scale: sharded, resumable, data parallel
+        from jaxembed.embed_corpus import cmd_embed_corpus
+
+        return cmd_embed_corpus(args)
     import jaxembed
 
     if args.output is not None:
@@ -176,11 +208,12 @@ def cmd_embed(args) -> int:
     texts = _read_texts(args.inputs)
     if not texts:
         raise ValueError("no input texts")
+    output = _output_options(args)
     model = jaxembed.load(args.model, dtype=args.dtype, tokenizer=args.tokenizer)
     kwargs = dict(
         batch_size=args.batch_size, normalize_embeddings=not args.no_normalize, max_length=args.max_length,
         vertical_chunk_size=args.vertical_chunk_size, show_progress_bar=not args.quiet,
-        max_tokens_per_batch=args.max_tokens_per_batch,
+        max_tokens_per_batch=args.max_tokens_per_batch, **output,
     )
     if args.query:
         emb = model.encode_query(texts, instruction=args.instruction, **kwargs)
@@ -188,7 +221,7 @@ def cmd_embed(args) -> int:
         emb = model.encode_document(texts, **kwargs)
     def write_jsonl(stream):
         for text, vec in zip(texts, emb, strict=True):
-            stream.write(json.dumps({"text": text, "embedding": np.round(vec.astype(float), 7).tolist()}) + "\n")
+            stream.write(json.dumps({"text": text, "embedding": _json_vector(vec)}) + "\n")
 
     if args.output is None:
         write_jsonl(sys.stdout)
@@ -257,13 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--query-template", default=None, help='query template, default "Instruction: {prompt}\\nQuery: "')
     p.add_argument("--default-instruction", default=None, help="instruction used by encode_query when none is given")
     p.add_argument("--overwrite", action="store_true", help="replace a jaxembed checkpoint already at DST (atomically)")
+    p.add_argument("--revision", default=None, help="hub ids: the branch, tag or commit to download (default: main)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("embed", help="embed texts, one per line, from files or stdin")
     p.add_argument("inputs", nargs="*", help="text files, one text per line ('-' or none: stdin)")
     p.add_argument("--model", required=True, help="converted or Hugging Face directory")
     p.add_argument("--output", "-o", type=Path, default=None, help=".npy or .jsonl (default: jsonl on stdout)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file (atomically)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --output file (atomically), or another run's --output-dir embeddings")
     p.add_argument("--query", action="store_true", help="texts are queries: apply the instruction template")
     p.add_argument("--instruction", default=None, help="instruction for --query")
     p.add_argument("--batch-size", type=int, default=32)
@@ -273,6 +308,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--no-normalize", action="store_true", help="skip L2 normalisation")
+    p.add_argument("--truncate-dim", type=int, default=None,
+                   help="keep the first N dimensions (Matryoshka), re-normalised unless --no-normalize")
+    p.add_argument("--precision", choices=PRECISIONS, default="float32",
+                   help="quantised output as sentence-transformers makes it (.npy keeps the dtype, jsonl integers)")
+    p.add_argument("--ranges", type=Path, default=None, metavar="FILE.npy",
+                   help="int8/uint8: per-dimension minima and maxima [2, d] (default: from the embedded texts)")
+    p.add_argument("--calibration", type=Path, default=None, metavar="FILE.npy",
+                   help="int8/uint8: float embeddings [m, d] of a representative sample to take the ranges from "
+                        "(e.g. `jaxembed embed SAMPLE -o FILE.npy` with the same --truncate-dim)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     long = p.add_mutually_exclusive_group()
     long.add_argument("--stream", metavar="FILE", default=None,
@@ -282,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "(one pass); cut by --separator LINE or --section-tokens N")
     p.add_argument("--separator", default=None, help="--sections: lines equal to this separate the sections")
     p.add_argument("--section-tokens", type=int, default=None, help="--sections: N tokens per section")
+    from jaxembed.embed_corpus import add_arguments as add_corpus_arguments
+
+    add_corpus_arguments(p)  # --corpus FILE --output-dir DIR ...
     p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("train", help="fine-tune with InfoNCE and LoRA/QLoRA adapters (configs/train/*.yaml)")
@@ -302,6 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxembed.train.mine import add_parser as add_mine_parser
 
     add_mine_parser(sub)
+    from jaxembed.serve import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
+
+    from jaxembed.convert.export import add_parser as add_export_parser
+
+    add_export_parser(sub)
 
     p = sub.add_parser("eval", help="MTEB / LongEmbed through mteb, with the paper's instructions and summary table")
     p.add_argument("--model", required=True, help="converted or Hugging Face directory")

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from jaxembed import models
 from jaxembed.errors import check_positive_int
 from jaxembed.kernels import check_backend
+from jaxembed.quantize import check_output_options, quantize_embeddings, truncate_embeddings
 from jaxembed.schedule import check_chunk_sizes, embed
 from jaxembed.text import (  # noqa: F401  (re-exported: the embedder's public names)
     MIN_BUCKET,
@@ -144,17 +145,25 @@ class Embedder:
         vertical_chunk_size: int | None | str = "auto",
         max_tokens_per_batch: int | None = None,
         convert_to_numpy: bool = True,
+        precision: str = "float32",
+        truncate_dim: int | None = None,
+        ranges: np.ndarray | None = None,
+        calibration_embeddings: np.ndarray | None = None,
     ) -> np.ndarray:
         """Embed texts: [n, d] float32 (or [d] for a single string).
 
         prompt: a literal prefix for every text (e.g. the output of `query_prompt`).
         vertical_chunk_size: "auto" (Appendix F), None (horizontal) or V, a multiple of Q.
         max_tokens_per_batch: cap on padded tokens per batch (default: the embedder's).
+        truncate_dim, precision, ranges, calibration_embeddings: as in sentence-transformers (see `encode_ids`).
         """
         single = isinstance(texts, str)
         texts = [texts] if single else check_texts(texts)
+        output = dict(precision=precision, truncate_dim=truncate_dim, ranges=ranges,
+                      calibration_embeddings=calibration_embeddings)
+        check_output_options(self.embedding_dim, rows=len(texts), **output)
         if not texts:
-            return np.empty((0, self.embedding_dim), np.float32)
+            return self._output(np.empty((0, self.embedding_dim), np.float32), normalize_embeddings, **output)
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
@@ -167,6 +176,7 @@ class Embedder:
             batch_size=batch_size,
             show_progress_bar=show_progress_bar,
             max_tokens_per_batch=max_tokens_per_batch,
+            **output,
         )
         self.last_stats["truncated"] = truncated
         if not convert_to_numpy:
@@ -345,14 +355,30 @@ class Embedder:
         batch_size: int = 32,
         show_progress_bar: bool | None = None,
         max_tokens_per_batch: int | None = None,
+        precision: str = "float32",
+        truncate_dim: int | None = None,
+        ranges: np.ndarray | None = None,
+        calibration_embeddings: np.ndarray | None = None,
     ) -> np.ndarray:
         """Embed token-id sequences used exactly as given (no EOS added): row i is the
-        final-norm output at the last token of ids[i]. Returns float32 [n, d]."""
+        final-norm output at the last token of ids[i]. Returns float32 [n, d].
+
+        Output options, applied in sentence-transformers' order (truncate, normalise, quantise):
+        truncate_dim: keep the first truncate_dim dimensions (Matryoshka), re-normalised with normalize_embeddings.
+        precision: "float32", "int8", "uint8", "binary" or "ubinary" (`jaxembed.quantize.quantize_embeddings`).
+        For int8/uint8 the per-dimension buckets come from `ranges` ([2, dim]: minima, maxima), else from
+        `calibration_embeddings` ([m, dim] float embeddings of a representative set, with the same truncate_dim),
+        else, as in sentence-transformers, from this call's own embeddings: then the values depend on the batch
+        (a warning below 100 embeddings; one embedding is an error), so pass ranges for anything stored or compared.
+        """
         check_positive_int("batch_size", batch_size)
         check_positive_int("max_tokens_per_batch", max_tokens_per_batch, optional=True)
         seqs = check_token_ids(ids, self.vocab_size)
+        output = dict(precision=precision, truncate_dim=truncate_dim, ranges=ranges,
+                      calibration_embeddings=calibration_embeddings)
+        check_output_options(self.embedding_dim, rows=len(seqs), **output)
         if not seqs:
-            return np.empty((0, self.embedding_dim), np.float32)
+            return self._output(np.empty((0, self.embedding_dim), np.float32), normalize_embeddings, **output)
         # Appendix F's policy depends on how many sequences run together, not on the batch_size cap
         V = self.resolve_vertical_chunk_size(vertical_chunk_size, min(batch_size, len(seqs)))
         budget = max_tokens_per_batch if max_tokens_per_batch is not None else self.max_tokens_per_batch
@@ -364,6 +390,9 @@ class Embedder:
         start = time.perf_counter()
         with tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="embedding",
                   disable=(None if show_progress_bar is None else not show_progress_bar)) as bar:
+            # One batch in flight: batch k+1 is padded and dispatched (JAX dispatches asynchronously)
+            # before batch k is read back, so the host's work overlaps the device's.
+            in_flight = None
             for rows, padded_len, max_rows in batches:
                 n_rows = batch_bucket(len(rows), max_rows)
                 batch = np.zeros((n_rows, padded_len), np.int32)
@@ -373,13 +402,29 @@ class Embedder:
                     batch_lengths[j] = lengths[i]
                 emb = embed_jit(self.params, self.config, batch, batch_lengths, vertical_chunk_size=V,
                                 chunk_size=self.chunk_size, normalize=normalize_embeddings, kernels=self.kernels)
-                out[rows] = np.asarray(emb[: len(rows)], np.float32)
-                _check_finite(out[rows], rows, n_rows, padded_len)
-                bar.update(int(lengths[rows].sum()))
+                if in_flight is not None:
+                    self._read_back(out, *in_flight, lengths, bar)
+                in_flight = (emb, rows, n_rows, padded_len)
+            self._read_back(out, *in_flight, lengths, bar)
         elapsed = time.perf_counter() - start
         self.last_stats = {"texts": len(seqs), "tokens": total_tokens, "seconds": elapsed,
                            "tokens_per_second": total_tokens / max(elapsed, 1e-9), "batches": len(batches)}
-        return out
+        return self._output(out, normalize_embeddings, **output)
+
+    @staticmethod
+    def _read_back(out, emb, rows, n_rows, padded_len, lengths, bar):
+        out[rows] = np.asarray(emb[: len(rows)], np.float32)
+        _check_finite(out[rows], rows, n_rows, padded_len)
+        bar.update(int(lengths[rows].sum()))
+
+    @staticmethod
+    def _output(out, normalize, *, precision, truncate_dim, ranges, calibration_embeddings) -> np.ndarray:
+        """Truncate (re-normalising: the same as normalising after truncation), then quantise."""
+        if truncate_dim is not None:
+            out = truncate_embeddings(out, truncate_dim, normalize=normalize)
+        if precision == "float32":
+            return out
+        return quantize_embeddings(out, precision, ranges=ranges, calibration_embeddings=calibration_embeddings)
 
 
 def _prefixed(prompt: str, pieces: Iterable[str]) -> Iterator[str]:

@@ -55,12 +55,12 @@ def test_tiny_sweep_end_to_end(tmp_path):
     spec = write_spec(tmp_path, [
         {"label": "mamba2 V=32", "config": "mamba2.yaml", "vertical_chunk_size": {1: 32, 2: 64}},
         {"label": "transformer", "config": "transformer.yaml"},
-    ])
+    ], lengths={1: [48], 2: [96]})  # every point is a fresh process (~5 s): two per series are enough
     out = tmp_path / "out"
     assert main(["bench", str(spec), "--platform", "cpu", "--output", str(out), "--threads", "1", "--quiet"]) == 0
     rows = list(csv.DictReader((out / "results.csv").read_text().splitlines()))
     assert [(r["series"], r["batch"], r["length"]) for r in rows] == [
-        (s, b, n) for b, n in (("1", "48"), ("1", "160"), ("2", "96")) for s in ("mamba2 V=32", "transformer")]
+        (s, b, n) for b, n in (("1", "48"), ("2", "96")) for s in ("mamba2 V=32", "transformer")]
     for r in rows:
         assert r["status"] == "ok", r
         times = [float(t) for t in r["times_s"].split()]

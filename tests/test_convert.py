@@ -128,3 +128,30 @@ def test_convert_rejects_bad_arguments_before_reading(hf_model_dir, tmp_path, ca
     (tmp_path / "file").write_text("x")
     assert main(["convert", str(src), str(tmp_path / "file")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_hub_revision_reaches_every_download(hf_model_dir, monkeypatch):
+    """load(hub_id, revision=...) asks the hub for that revision for the config, the file list and the
+    weights (the hub is served from a local directory here); with a local path, revision is an error."""
+    import huggingface_hub
+
+    path, model = hf_model_dir
+    calls = []
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None):
+        calls.append(("snapshot", repo_id, revision))
+        return str(path)
+
+    def list_repo_files(repo_id, revision=None):
+        calls.append(("list", repo_id, revision))
+        return sorted(p.name for p in path.iterdir())
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
+    emb = jaxembed.load("some-org/tiny-mamba2", revision="v1.2")
+    assert calls and all(c[1:] == ("some-org/tiny-mamba2", "v1.2") for c in calls), calls
+    seqs = [[5, 9, 2, 7, 11]]
+    out = emb.encode_ids(seqs, normalize_embeddings=False)
+    assert rel_err(out[0], hf_last_hidden(model, seqs)[0]) < TOLERANCE["float32"]
+    with pytest.raises(ConversionError, match="revision='v1.2' applies to Hugging Face hub ids"):
+        jaxembed.load(path, revision="v1.2")

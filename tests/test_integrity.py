@@ -187,8 +187,8 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_old_or_the_new(tmp_path):
     target = _save(tmp_path / "ckpt", "rwkv7", seed=0)
     old = checkpoint.load(target)[3]
     new = checkpoint.load(_save(tmp_path / "reference", "rwkv7", seed=1))[3]
-    ends = _kill_at_random_points("checkpoint", target, points=10, seed=0)
-    assert ends.count("killed") >= 3, ends
+    ends = _kill_at_random_points("checkpoint", target, points=6, seed=0)  # each point is a process (~4 s)
+    assert ends.count("killed") >= 2, ends
     assert checkpoint.load(target)[3] in (old, new)  # complete and verified, whichever it is
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.")]
     for p in leftovers:  # temporaries of killed writes, never the published checkpoint
@@ -200,8 +200,8 @@ def test_sigkill_during_embed_output_leaves_the_old_or_the_new(tmp_path):
     old = np.arange(12, dtype=np.float32).reshape(3, 4)
     np.save(target, old)
     new = np.random.default_rng(1).standard_normal((4000, 256)).astype(np.float32)
-    ends = _kill_at_random_points("embed", target, points=10, seed=1)
-    assert ends.count("killed") >= 3, ends
+    ends = _kill_at_random_points("embed", target, points=6, seed=1)
+    assert ends.count("killed") >= 2, ends
     got = np.load(target)
     assert np.array_equal(got, new) or np.array_equal(got, old)
 

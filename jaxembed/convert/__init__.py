@@ -59,12 +59,13 @@ def _dtype_rule(config, dtype):
     return dtype_for
 
 
-def read_checkpoint(src, *, dtype=None, progress: bool = False) -> Checkpoint:
-    """Read a Hugging Face-format checkpoint (any supported layout) into a params pytree of numpy arrays."""
-    directory, hub_id = resolve(src)
+def read_checkpoint(src, *, dtype=None, progress: bool = False, revision: str | None = None) -> Checkpoint:
+    """Read a Hugging Face-format checkpoint (any supported layout) into a params pytree of numpy arrays;
+    revision: a hub id's branch, tag or commit."""
+    directory, hub_id = resolve(src, revision)
     layouts, layout, config, preferred = detect(directory)
     if hub_id is not None:
-        directory = fetch_weights(hub_id, directory, preferred)
+        directory = fetch_weights(hub_id, directory, preferred, revision)
     files = weight_files(directory, preferred)
     source = TensorSource(files)
     params = convert_tensors(
@@ -97,7 +98,8 @@ __all__ = ["Checkpoint", "ConversionError", "read_checkpoint", "detect"]
 
 
 def convert(src, dst, *, dtype=None, verify: bool = False, tokenizer=None, query_template=None,
-            default_instruction=None, progress: bool = True, overwrite: bool = False) -> Path:
+            default_instruction=None, progress: bool = True, overwrite: bool = False,
+            revision: str | None = None) -> Path:
     """Convert SRC (directory or hub id) into DST: orbax params, jaxembed.json and tokenizer files.
 
     With verify, the PyTorch reference runs first and nothing is written if it disagrees. The
@@ -120,7 +122,7 @@ def convert(src, dst, *, dtype=None, verify: bool = False, tokenizer=None, query
     if Path(src).expanduser().exists() and dst.exists() and dst.resolve() == Path(src).expanduser().resolve():
         raise ConversionError(f"{dst}: the output directory must differ from the source")
     tok = load_tokenizer(tokenizer) if tokenizer is not None else None
-    ck = read_checkpoint(src, dtype=dtype, progress=progress)
+    ck = read_checkpoint(src, dtype=dtype, progress=progress, revision=revision)
     if verify:
         from jaxembed.convert.verify import verify as run_verify
 

@@ -1,5 +1,5 @@
 """Declarative conversion: a table of (params path, checkpoint key, hook) rules, applied
-against the model's shape template.
+against the model's shape template (and in reverse by `jaxembed export`, convert/export.py).
 
 Every tensor is checked before any is loaded: the error lists all missing, unexpected and
 misshaped keys at once. Tensors are read one at a time into arrays stacked on a leading
@@ -24,21 +24,31 @@ from jaxembed.convert.sources import ConversionError, TensorSource
 
 @dataclasses.dataclass(frozen=True)
 class Hook:
-    """A named, shape-aware transform from the checkpoint layout to ours."""
+    """A named, shape-aware transform from the checkpoint layout to ours, and back.
+
+    `invert` (ours -> the checkpoint layout) is what `jaxembed export` runs; None where the
+    transform cannot be undone, which the exporter reports by the hook's name. A hook that reads a
+    slice of a fused checkpoint tensor names it in `rows`: (start, size, total) along the tensor's
+    first axis; its inverse gives that slice, and the exporter puts the slices of one key together.
+    """
 
     name: str
     shape: Callable[[tuple[int, ...]], tuple[int, ...]]
     apply: Callable[[np.ndarray], np.ndarray]
+    invert: Callable[[np.ndarray], np.ndarray] | None = None
+    rows: tuple[int, int, int] | None = None
 
 
-IDENTITY = Hook("identity", lambda s: s, lambda a: a)
+IDENTITY = Hook("identity", lambda s: s, lambda a: a, lambda a: a)
 # torch Linear weights are [out, in]; we multiply x @ W with W [in, out]
-TRANSPOSE = Hook("transpose", lambda s: s[::-1], lambda a: np.ascontiguousarray(a.T))
+TRANSPOSE = Hook("transpose", lambda s: s[::-1], lambda a: np.ascontiguousarray(a.T),
+                 lambda a: np.ascontiguousarray(a.T))
 # torch depthwise Conv1d weight [channels, 1, k] -> [k, channels]
 CONV1D_DEPTHWISE = Hook(
     "conv1d_depthwise",
     lambda s: (s[2], s[0]) if len(s) == 3 and s[1] == 1 else ("not [channels, 1, k]:", *s),
     lambda a: np.ascontiguousarray(a[:, 0, :].T),
+    lambda a: np.ascontiguousarray(a.T[:, None, :]),
 )
 
 
@@ -54,6 +64,17 @@ class Rule:
     @property
     def stacked(self) -> bool:
         return "{i}" in self.key
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportLayout:
+    """How `jaxembed export` writes a family's checkpoint: which rules it runs in reverse (one per
+    params path), the key each rule's (normalised) key is written under, and the config file."""
+
+    name: str  # in messages, e.g. "transformers Mamba2ForCausalLM"
+    rules: list[Rule]
+    key: Callable[[str], str | None]  # normalised key -> written key; None: the layout has no such tensor
+    write_config: Callable[[object], None]  # writes config.json into the given directory
 
 
 def _leaf(tree: Mapping, path: str):

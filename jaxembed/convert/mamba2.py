@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 from jaxembed.config import Mamba2Config
-from jaxembed.convert.core import CONV1D_DEPTHWISE, TRANSPOSE, Hook, Rule
+from jaxembed.convert.core import CONV1D_DEPTHWISE, TRANSPOSE, ExportLayout, Hook, Rule
 from jaxembed.convert.sources import ConversionError, read_json
 
 EXPECTS = ("Mamba2: a transformers config.json (model_type mamba2), a mamba_ssm config.json "
@@ -54,6 +54,7 @@ def rules_for(cfg: Mamba2Config) -> list[Rule]:
         "D_by_head",
         lambda s: (cfg.n_heads, cfg.head_dim) if s == (cfg.d_inner,) else s,
         lambda a: a.reshape(cfg.n_heads, cfg.head_dim),
+        lambda a: a.reshape(cfg.d_inner),
     )
     return [Rule(r.path, r.key, d_by_head) if r.path == "layers/D" else r for r in RULES]
 
@@ -175,7 +176,7 @@ def _detect(config_json: Path, params_json: Path):
 
 
 def to_transformers_config(cfg: Mamba2Config):
-    """The equivalent transformers Mamba2Config (for `--verify` and tests)."""
+    """The equivalent transformers Mamba2Config (for `--verify`, `jaxembed export` and tests)."""
     from transformers import Mamba2Config as HFMamba2Config
 
     if cfg.d_has_hdim:
@@ -185,8 +186,22 @@ def to_transformers_config(cfg: Mamba2Config):
         conv_kernel=cfg.d_conv, expand=cfg.expand, head_dim=cfg.head_dim, num_heads=cfg.n_heads, n_groups=cfg.n_groups,
         chunk_size=cfg.chunk_size, layer_norm_epsilon=cfg.norm_eps, time_step_limit=tuple(cfg.dt_limit),
         use_bias=cfg.use_bias, use_conv_bias=cfg.use_conv_bias, residual_in_fp32=cfg.residual_in_fp32,
-        tie_word_embeddings=cfg.tie_embeddings,
+        tie_word_embeddings=cfg.tie_embeddings, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
     )
+
+
+def export_layout(cfg: Mamba2Config, *, lm_head: bool, dtype: str) -> ExportLayout:
+    """transformers' layout: Mamba2ForCausalLM (backbone. prefix) when there is an lm_head to keep, else
+    Mamba2Model (a tied head is transformers' tie_word_embeddings)."""
+    hf = to_transformers_config(cfg)  # raises for D_has_hdim, which transformers has no place for
+    hf.architectures = ["Mamba2ForCausalLM" if lm_head else "Mamba2Model"]
+    hf.dtype = dtype
+
+    def key(normal: str) -> str:
+        name = "embeddings.weight" if normal == "embedding.weight" else normal
+        return name if not lm_head or name == "lm_head.weight" else "backbone." + name
+
+    return ExportLayout(f"transformers {hf.architectures[0]}", rules_for(cfg), key, hf.save_pretrained)
 
 
 

@@ -27,6 +27,8 @@ checkpoint's weights arrive only after detection, so this check is skipped there
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import re
 from pathlib import Path
@@ -34,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxembed.config import ConfigError
-from jaxembed.convert.core import TRANSPOSE, Hook, Rule, normalise_keys
+from jaxembed.convert.core import TRANSPOSE, ExportLayout, Hook, Rule, normalise_keys
 from jaxembed.convert.sources import ConversionError, TensorSource, read_json, weight_files
 from jaxembed.models.rwkv7 import RWKV7Config
 
@@ -43,12 +45,15 @@ EXPECTS = ("RWKV7: a BlinkDL RWKV-x070 .pth (a directory holding one, or the fil
 
 BLINKDL, FLA = "blinkdl", "fla"
 
-# [d] or [1, 1, d] -> [d]: a reshape of a vector, never a transpose
+# [d] or [1, 1, d] -> [d]: a reshape of a vector, never a transpose. Written back as [d], as fla
+# stores most vectors; fla's token-shift mixes x_r ... x_g are [1, 1, d] (VECTOR_1_1_D, export only)
 VECTOR = Hook(
     "vector",
     lambda s: (s[-1],) if len(s) in (1, 3) and all(x == 1 for x in s[:-1]) else ("not [d] or [1, 1, d]:", *s),
     lambda a: np.ascontiguousarray(a.reshape(-1)),
+    lambda a: np.ascontiguousarray(a.reshape(-1)),
 )
+VECTOR_1_1_D = dataclasses.replace(VECTOR, name="vector [1, 1, d]", invert=lambda a: a.reshape(1, 1, -1))
 
 ATT, FFN = "blocks.{i}.att.", "blocks.{i}.ffn."
 LORA = ("w1", "w2", "a1", "a2", "v1", "v2", "g1", "g2")
@@ -372,3 +377,77 @@ def reference(checkpoint):
         state[name] = torch.from_numpy(np.ascontiguousarray(tensor.T if transpose else tensor))
     run = blinkdl_reference(state)
     return lambda ids: run(np.asarray(ids)[0])
+
+
+# ---- export: the fla layout ---------------------------------------------------------------------
+
+TOKEN_SHIFT = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")  # the attention's mixes, [1, 1, d] in fla
+
+
+def _fla_name(normal: str) -> str | None:
+    """The fla name (RWKV7Model's, no `model.` prefix) of a normalised (BlinkDL) key; None for layer 0's
+    value-residual LoRA, which fla does not have. The inverse of RENAMES, which `jaxembed export` checks."""
+    top = {"emb.weight": "embeddings.weight", "ln_out.weight": "norm.weight", "ln_out.bias": "norm.bias",
+           "head.weight": "lm_head.weight"}
+    if normal in top:
+        return top[normal]
+    i, block, rest = re.fullmatch(r"blocks\.(\d+)\.(\w+)\.(.+)", normal).groups()
+    norms = {"ln0": "pre_norm", "ln1": "attn_norm", "ln2": "ffn_norm"}
+    if block in norms:
+        return f"layers.{i}.{norms[block]}.{rest}"
+    if block == "ffn":
+        return f"layers.{i}.ffn.{rest}"
+    lora = re.fullmatch(r"([wavg])([012])(\.T)?", rest)
+    if lora:
+        m, which = lora.group(1), lora.group(2)
+        if i == "0" and m == "v":
+            return None
+        return f"layers.{i}.attn.{m}_lora.lora." + {"0": "2.bias", "1": "0.weight", "2": "2.weight"}[which]
+    name, _, tail = rest.partition(".")
+    projections = {"receptance": "r_proj", "key": "k_proj", "value": "v_proj", "output": "o_proj", "ln_x": "g_norm"}
+    return f"layers.{i}.attn.{projections.get(name, name)}" + (f".{tail}" if tail else "")
+
+
+def export_rules(cfg: RWKV7Config) -> list[Rule]:
+    """RULES as fla stores the tensors: the LoRA matrices as torch Linear weights (the `.T` rules), the
+    token-shift mixes as [1, 1, d]."""
+    rules = []
+    for rule in RULES:
+        name = rule.path.rsplit("/", 1)[-1]
+        if name in LORA and not rule.key.endswith(".T"):
+            continue
+        rules.append(dataclasses.replace(rule, hook=VECTOR_1_1_D) if name in TOKEN_SHIFT else rule)
+    return rules
+
+
+def to_fla_config(cfg: RWKV7Config, *, lm_head: bool = True, dtype: str = "float32") -> dict:
+    """config.json of fla's RWKV7Model / RWKV7ForCausalLM for `cfg` (the fields its RWKV7Config reads)."""
+    if not math.isclose(cfg.head_norm_eps, cfg.head_size * cfg.norm_eps, rel_tol=1e-9):
+        raise ConversionError(f"fla's RWKV7 uses head GroupNorm eps = head_dim * norm_eps = "
+                              f"{cfg.head_size * cfg.norm_eps:g}; this model uses {cfg.head_norm_eps:g}, which the "
+                              f"fla layout cannot express")
+    d = cfg.d_model
+    return {
+        "model_type": "rwkv7", "architectures": ["RWKV7ForCausalLM" if lm_head else "RWKV7Model"],
+        "attn_mode": "chunk", "hidden_size": d, "hidden_ratio": cfg.d_ffn / d, "intermediate_size": cfg.d_ffn,
+        "num_hidden_layers": cfg.n_layers, "head_dim": cfg.head_size, "num_heads": cfg.n_heads,
+        "decay_low_rank_dim": cfg.decay_low_rank, "gate_low_rank_dim": cfg.gate_low_rank,
+        "a_low_rank_dim": cfg.a_low_rank, "v_low_rank_dim": cfg.v_low_rank, "hidden_act": "sqrelu",
+        "norm_first": True, "norm_bias": True, "norm_eps": cfg.norm_eps, "attn": None, "use_cache": True,
+        "eos_token_id": cfg.eos_token_id, "tie_word_embeddings": False, "vocab_size": cfg.vocab_size,
+        "value_dim": [d] * cfg.n_layers, "torch_dtype": dtype,
+    }
+
+
+def export_layout(cfg: RWKV7Config, *, lm_head: bool, dtype: str) -> ExportLayout:
+    """fla-hub's layout: RWKV7ForCausalLM (model. prefix) when there is an lm_head, else RWKV7Model."""
+    config = to_fla_config(cfg, lm_head=lm_head, dtype=dtype)
+
+    def key(normal: str) -> str | None:
+        name = _fla_name(normal)
+        return name if name is None or not lm_head or name == "lm_head.weight" else "model." + name
+
+    def write_config(directory) -> None:
+        (Path(directory) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    return ExportLayout(f"fla {config['architectures'][0]}", export_rules(cfg), key, write_config)

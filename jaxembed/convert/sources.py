@@ -19,10 +19,16 @@ from jaxembed.errors import ConversionError
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def resolve(src: str | os.PathLike) -> tuple[Path, str | None]:
+def resolve(src: str | os.PathLike, revision: str | None = None) -> tuple[Path, str | None]:
     """(directory, hub id or None): a local directory as is; for a hub id, its config and
-    tokenizer files only (the weights follow with `fetch_weights`, once the layout is known)."""
+    tokenizer files only (the weights follow with `fetch_weights`, once the layout is known), at
+    `revision` (a branch, tag or commit; default: main)."""
     path = Path(src).expanduser()
+    if revision is not None and not isinstance(revision, str):
+        raise ConversionError(f"revision must be a branch, tag or commit string, got {revision!r}")
+    if revision is not None and path.exists():
+        raise ConversionError(f"{src}: revision={revision!r} applies to Hugging Face hub ids, but this is a local "
+                              "path (check out the revision there instead)")
     if path.is_dir():
         return path, None
     if path.is_file() and path.suffix == ".pth":  # a single-file checkpoint (BlinkDL's RWKV7); detect reads it
@@ -38,16 +44,17 @@ def resolve(src: str | os.PathLike) -> tuple[Path, str | None]:
                               "meant the hub)")
     from huggingface_hub import snapshot_download
 
-    directory = _from_hub(str(src), lambda: snapshot_download(str(src), allow_patterns=["*.json", "tokenizer*"]))
+    directory = _from_hub(str(src), lambda: snapshot_download(str(src), revision=revision,
+                                                              allow_patterns=["*.json", "tokenizer*"]))
     return Path(directory), str(src)
 
 
-def fetch_weights(repo_id: str, directory: Path, preferred: tuple[str, ...]) -> Path:
+def fetch_weights(repo_id: str, directory: Path, preferred: tuple[str, ...], revision: str | None = None) -> Path:
     """Download only the weight files the detected layout reads (a repository such as Codestral's
     holds both a transformers and a Mistral copy of the weights)."""
     from huggingface_hub import list_repo_files, snapshot_download
 
-    files = set(_from_hub(repo_id, lambda: list_repo_files(repo_id)))
+    files = set(_from_hub(repo_id, lambda: list_repo_files(repo_id, revision=revision)))
     wanted = [name for name in preferred if name in files][:1]
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if not wanted and (directory / index_name).exists():
@@ -55,7 +62,7 @@ def fetch_weights(repo_id: str, directory: Path, preferred: tuple[str, ...]) -> 
     if not wanted:
         top = sorted(f for f in files if "/" not in f and f != "consolidated.safetensors")
         wanted = [f for f in top if f.endswith(".safetensors")] or [f for f in top if f.endswith(".bin")]
-    return Path(_from_hub(repo_id, lambda: snapshot_download(repo_id, allow_patterns=wanted)))
+    return Path(_from_hub(repo_id, lambda: snapshot_download(repo_id, revision=revision, allow_patterns=wanted)))
 
 
 def _from_hub(repo_id: str, call):

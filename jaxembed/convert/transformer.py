@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxembed.convert.core import TRANSPOSE, Rule
+from jaxembed.convert.core import TRANSPOSE, ExportLayout, Rule
 from jaxembed.convert.sources import ConversionError, read_json
 from jaxembed.models.transformer import TransformerConfig
 
@@ -86,6 +86,32 @@ def _qwen2_window(raw: dict, origin: str):
         raise ConversionError(f"{origin}: Qwen2 with sliding windows on some layers only (max_window_layers="
                               f"{raw['max_window_layers']}) is not supported")
     return raw["sliding_window"]
+
+
+def export_layout(cfg: TransformerConfig, *, lm_head: bool, dtype: str) -> ExportLayout:
+    """transformers' layout: Qwen2 when q/k/v have biases, else Mistral; the CausalLM class (model. prefix)
+    when there is an lm_head to keep."""
+    import transformers
+
+    common = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, intermediate_size=cfg.d_ff,
+        head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
+        tie_word_embeddings=cfg.tie_embeddings, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+    )
+    if cfg.qkv_bias:  # a window on every layer: max_window_layers 0
+        hf = transformers.Qwen2Config(**common, use_sliding_window=cfg.sliding_window is not None,
+                                      sliding_window=cfg.sliding_window, max_window_layers=0)
+    else:
+        hf = transformers.MistralConfig(**common, sliding_window=cfg.sliding_window)
+    family = "Qwen2" if cfg.qkv_bias else "Mistral"
+    hf.architectures = [f"{family}ForCausalLM" if lm_head else f"{family}Model"]
+    hf.dtype = dtype
+
+    def key(normal: str) -> str:
+        return normal if not lm_head or normal == "lm_head.weight" else "model." + normal
+
+    return ExportLayout(f"transformers {hf.architectures[0]}", rules_for(cfg), key, hf.save_pretrained)
 
 
 def reference(checkpoint):

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from jaxembed.config import ConfigError
-from jaxembed.convert.core import TRANSPOSE, Hook, Rule
+from jaxembed.convert.core import TRANSPOSE, ExportLayout, Hook, Rule
 from jaxembed.convert.sources import ConversionError, read_json
 from jaxembed.models.xlstm import XLSTMConfig
 
@@ -68,11 +70,15 @@ def _rows(fused: str, part: str, start: int, size: int, total: int, *, weight: b
             f"{fused}[{start}:{start + size}]ᵀ ({part})",
             lambda s: (s[1], size) if len(s) == 2 and s[0] == total else (f"not [{total}, d]:", *s),
             lambda a: a[start : start + size].T.copy(),
+            lambda a: np.ascontiguousarray(a.T),
+            rows=(start, size, total),
         )
     return Hook(
         f"{fused}[{start}:{start + size}] ({part})",
         lambda s: (size,) if tuple(s) == (total,) else (f"not [{total}]:", *s),
         lambda a: a[start : start + size].copy(),
+        lambda a: a,
+        rows=(start, size, total),
     )
 
 
@@ -183,6 +189,23 @@ def to_transformers_config(cfg: XLSTMConfig):
         mode="inference", autocast_kernel_dtype="float32", inference_state_dtype="float32", return_last_states=True,
         eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
     )
+
+
+def export_layout(cfg: XLSTMConfig, *, lm_head: bool, dtype: str) -> ExportLayout:
+    """transformers' layout: xLSTMForCausalLM (backbone. prefix) when there is an lm_head to keep, else
+    xLSTMModel. The config is the reference's (native torch kernels, float32 kernel and state dtypes)."""
+    hf = to_transformers_config(cfg)
+    hf.architectures = ["xLSTMForCausalLM" if lm_head else "xLSTMModel"]
+    hf.dtype = dtype
+    # transformers sizes its cache with qk_dim and v_dim rounded up to multiples of 64, the layers with the
+    # exact int(d * factor): where they differ a call with the cache fails, so the export turns it off
+    if (hf.qk_dim, hf.v_dim) != (cfg.qk_dim, cfg.v_dim):
+        hf.use_cache = False
+
+    def key(normal: str) -> str:
+        return normal if not lm_head or normal == "lm_head.weight" else "backbone." + normal
+
+    return ExportLayout(f"transformers {hf.architectures[0]}", rules_for(cfg), key, hf.save_pretrained)
 
 
 def build_transformers_model(cfg: XLSTMConfig):

@@ -1,0 +1,283 @@
+"""The ASGI app (Starlette): POST /v1/embeddings, GET /v1/models, GET /health, GET /metrics, over a `Batcher`
+whose worker thread runs `Embedder.encode_ids` on merged requests. See jaxembed/serve/__init__.py and
+docs/serving.md."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+
+import numpy as np
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from jaxembed.errors import check_positive_int
+from jaxembed.serve.api import (
+    RequestError,
+    check_token_limits,
+    error_body,
+    parse_request,
+    request_ids,
+    response_body,
+)
+from jaxembed.serve.batcher import Batcher, Closed, QueueFull
+from jaxembed.serve.metrics import Metrics
+from jaxembed.text import bucket_length
+
+log = logging.getLogger("jaxembed.serve")
+INLINE_TOKENIZE_CHARS = 4096  # requests with at most this many characters of text are tokenized in the event loop
+
+DEFAULT_LIMITS = dict(
+    max_input_tokens=32768,  # tokens per input (EOS and prompt included)
+    max_request_tokens=262144,  # tokens per request
+    max_inputs=2048,  # inputs per request (OpenAI's limit)
+    max_body_bytes=32 << 20,  # request body
+    max_queue=256,  # requests waiting for a batch
+    request_timeout=60.0,  # seconds from arrival to response
+    batch_tokens=65536,  # tokens merged into one batch
+    max_wait_ms=5.0,  # how long a batch waits for more requests
+    batch_size=32,  # rows per device batch (encode_ids batch_size)
+    max_tokens_per_batch=None,  # padded tokens per device batch (encode_ids; None: the embedder's)
+    vertical_chunk_size="auto",
+    warmup_max_length=None,  # compile every length bucket up to this many tokens at startup
+)
+
+
+def check_limits(limits: dict) -> dict:
+    """Every limit checked (a ValueError naming it), defaults filled in."""
+    unknown = sorted(set(limits) - set(DEFAULT_LIMITS))
+    if unknown:
+        raise TypeError(f"unknown limit(s) {', '.join(unknown)}; the limits are {', '.join(DEFAULT_LIMITS)}")
+    out = {**DEFAULT_LIMITS, **limits}
+    for name in ("max_input_tokens", "max_request_tokens", "max_inputs", "max_body_bytes", "max_queue",
+                 "batch_tokens", "batch_size"):
+        check_positive_int(name, out[name])
+    for name in ("max_tokens_per_batch", "warmup_max_length"):
+        check_positive_int(name, out[name], optional=True)
+    if not isinstance(out["request_timeout"], (int, float)) or not out["request_timeout"] > 0:
+        raise ValueError(f"request_timeout must be a positive number of seconds, got {out['request_timeout']!r}")
+    if not isinstance(out["max_wait_ms"], (int, float)) or not out["max_wait_ms"] >= 0:
+        raise ValueError(f"max_wait_ms must be a number >= 0, got {out['max_wait_ms']!r}")
+    return out
+
+
+def device_batches(lengths, *, chunk_size: int, batch_size: int, max_tokens_per_batch: int | None) -> list[list[int]]:
+    """The merged inputs (by their token counts) cut into the groups the worker passes to `encode_ids`, one call
+    each. Requests of mixed lengths that happen to arrive together must not pad a short input to a long one's
+    bucket, as one `encode_ids` call over all of them would (the direct `encode` of a whole corpus has sorted
+    neighbours of nearly equal length): inputs longer than Q go by length bucket (longest first), full batches of
+    the bucket's row cap (batch_size, and max_tokens_per_batch // bucket), then the rest as powers of two (no
+    padded rows). Inputs of at most Q tokens, where padding costs little and a device call more, form one group
+    that `encode_ids` sorts, pads and cuts itself."""
+    short: list[int] = []
+    by_bucket: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        if n <= chunk_size:
+            short.append(i)
+        else:
+            by_bucket.setdefault(bucket_length(n, chunk_size), []).append(i)
+    groups = []
+    for length in sorted(by_bucket, reverse=True):
+        rows, cap = by_bucket[length], row_cap(length, batch_size, max_tokens_per_batch)
+        while rows:
+            k = cap if len(rows) >= cap else 1 << (len(rows).bit_length() - 1)
+            groups.append(rows[:k])
+            rows = rows[k:]
+    return groups + ([short] if short else [])
+
+
+def row_cap(length: int, batch_size: int, max_tokens_per_batch: int | None) -> int:
+    """Rows of a device batch padded to `length` (as encode_ids / text.make_batches count them)."""
+    return batch_size if max_tokens_per_batch is None else max(1, min(batch_size, max_tokens_per_batch // length))
+
+
+def warmup(embedder, limits: dict, encode) -> list[tuple[int, int, str]]:
+    """Run once every device batch shape the server can run for inputs of up to warmup_max_length tokens (see
+    `device_batches`): per length bucket, its row cap and the powers of two below it, through the same
+    `encode_ids` settings the worker uses. A call of one sequence runs at Appendix F's V for one, of several at
+    the V for several ("auto"); short inputs (at most Q tokens) also run one row at the latter, as the last batch
+    of a call. Returns the shapes (rows, length, which V)."""
+    shapes, n, several = [], 1, embedder.resolve_vertical_chunk_size(limits["vertical_chunk_size"], 2)
+    while n <= limits["warmup_max_length"]:
+        length = bucket_length(n, embedder.chunk_size)
+        cap = row_cap(length, limits["batch_size"], limits["max_tokens_per_batch"])
+        for rows in sorted({cap} | {1 << k for k in range(cap.bit_length()) if 1 << k < cap}):
+            encode([[0] * length] * rows)
+            shapes.append((rows, length, "one" if rows == 1 else "several"))
+        if length <= embedder.chunk_size and limits["batch_size"] > 1:
+            encode([[0] * length], vertical_chunk_size=several)
+            shapes.append((1, length, "several"))
+        n = length + 1
+    return shapes
+
+
+def create_app(embedder, *, model_name: str = "jaxembed", **limits) -> Starlette:
+    """The embeddings server for `embedder` (a `jaxembed.Embedder`). limits: see DEFAULT_LIMITS."""
+    limits = check_limits(limits)
+    if not isinstance(model_name, str) or not model_name:
+        raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
+    metrics = Metrics()
+    tokenizer_lock = threading.Lock()
+    created = int(time.time())
+
+    def encode(ids, vertical_chunk_size=limits["vertical_chunk_size"]):
+        return embedder.encode_ids(ids, batch_size=limits["batch_size"], show_progress_bar=False,
+                                   max_tokens_per_batch=limits["max_tokens_per_batch"],
+                                   vertical_chunk_size=vertical_chunk_size)
+
+    def run(ids):
+        """A merged batch, in the worker thread: one encode_ids call per device batch (`device_batches`)."""
+        groups = device_batches([len(s) for s in ids], chunk_size=embedder.chunk_size,
+                                batch_size=limits["batch_size"], max_tokens_per_batch=limits["max_tokens_per_batch"])
+        out = np.empty((len(ids), embedder.embedding_dim), np.float32)
+        for group in groups:
+            out[group] = encode([ids[i] for i in group])
+        return out
+
+    batcher = Batcher(run, batch_tokens=limits["batch_tokens"], max_wait=limits["max_wait_ms"] / 1000,
+                      max_queue=limits["max_queue"], metrics=metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if limits["warmup_max_length"] is not None:
+            start = time.perf_counter()
+            shapes = await run_in_threadpool(warmup, embedder, limits, encode)
+            log.info("warmed up %d batch shapes for inputs up to %d tokens in %.1f s", len(shapes),
+                     limits["warmup_max_length"], time.perf_counter() - start)
+        batcher.start()
+        try:
+            yield
+        finally:
+            # uvicorn has waited for the requests in flight; anything still queued is run before we return
+            await batcher.close()
+
+    def error(status: int, body: dict, endpoint: str, headers=None) -> JSONResponse:
+        metrics.requests.labels(endpoint, str(status)).inc()
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    async def read_body(request: Request) -> bytes:
+        limit = limits["max_body_bytes"]
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestError(413, f"the body has {int(declared)} bytes, more than this server's limit of {limit}",
+                               code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(413, f"the body is longer than this server's limit of {limit} bytes",
+                                   code="body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def tokenize(req) -> list[list[int]]:
+        """Token ids: short texts right here (a thread hop costs more than they do), long ones in a thread so
+        the event loop goes on accepting meanwhile, or there too while another request holds the tokenizer."""
+        if req.ids is not None:
+            return req.ids
+        if sum(map(len, req.texts)) <= INLINE_TOKENIZE_CHARS and tokenizer_lock.acquire(blocking=False):
+            try:
+                return request_ids(embedder, req)
+            finally:
+                tokenizer_lock.release()
+        return await run_in_threadpool(request_ids, embedder, req, tokenizer_lock)
+
+    async def embeddings(request: Request) -> Response:
+        start = time.perf_counter()
+        status, job = 500, None
+        metrics.in_flight.inc()
+        try:
+            try:
+                req = parse_request(await read_body(request), embedding_dim=embedder.embedding_dim,
+                                    vocab_size=embedder.vocab_size, max_inputs=limits["max_inputs"])
+                if req.model is not None and req.model != model_name:
+                    raise RequestError(404, f"model {req.model!r} is not served here; this server serves "
+                                            f"{model_name!r}", param="model", code="model_not_found")
+                ids = await tokenize(req)
+                tokens = check_token_limits(ids, max_input_tokens=limits["max_input_tokens"],
+                                            max_request_tokens=limits["max_request_tokens"])
+                job = batcher.submit(ids, tokens)
+                remaining = limits["request_timeout"] - (time.perf_counter() - start)
+                rows = await asyncio.wait_for(job.future, max(remaining, 0.0))
+            except RequestError as err:
+                status = err.status
+                return error(status, err.body(), "embeddings")
+            except QueueFull as err:
+                status = 503
+                return error(status, error_body(str(err), kind="server_busy", code="queue_full"), "embeddings",
+                             headers={"Retry-After": "1"})
+            except Closed as err:
+                status = 503
+                return error(status, error_body(str(err), kind="server_busy", code="shutting_down"), "embeddings")
+            except TimeoutError:
+                batcher.cancel(job)
+                status = 504
+                return error(status, error_body(f"the request did not finish within this server's timeout of "
+                                                f"{limits['request_timeout']:g} s", kind="timeout", code="timeout"),
+                             "embeddings")
+            except ClientDisconnect:
+                status = 499
+                metrics.requests.labels("embeddings", "499").inc()
+                return Response(status_code=499)
+            except Exception as err:  # the batch failed (e.g. non-finite embeddings): say why, keep serving
+                from jaxembed.cli import one_line
+
+                log.exception("embedding batch failed")
+                status = 500
+                return error(status, error_body(f"embedding failed: {one_line(err)}", kind="server_error"),
+                             "embeddings")
+            status = 200
+            metrics.requests.labels("embeddings", "200").inc()
+            metrics.inputs.inc(len(ids))
+            metrics.tokens.inc(tokens)
+            return JSONResponse(response_body(rows, req, model_name, tokens))
+        except asyncio.CancelledError:  # the client went away: its rows are no longer wanted
+            if job is not None:
+                batcher.cancel(job)
+            raise
+        finally:
+            metrics.in_flight.dec()
+            metrics.request_seconds.labels(str(status)).observe(time.perf_counter() - start)
+
+    async def models(request: Request) -> Response:
+        metrics.requests.labels("models", "200").inc()
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": created, "owned_by": "jaxembed"}]})
+
+    async def health(request: Request) -> Response:
+        status = 503 if batcher.closing else 200
+        metrics.requests.labels("health", str(status)).inc()
+        return JSONResponse({"status": "shutting down" if batcher.closing else "ok", "model": model_name,
+                             "embedding_dim": embedder.embedding_dim, "queued": batcher.queued,
+                             "batches": batcher.batches}, status_code=status)
+
+    async def metrics_endpoint(request: Request) -> Response:
+        metrics.requests.labels("metrics", "200").inc()
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        """404 / 405 as OpenAI-style JSON errors."""
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}",
+                                       kind="invalid_request_error"), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    app = Starlette(routes=[
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+    ], lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app.state.batcher = batcher
+    app.state.metrics = metrics
+    app.state.limits = limits
+    app.state.model_name = model_name
+    return app

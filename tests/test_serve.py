@@ -1,0 +1,328 @@
+"""`jaxembed serve`: the OpenAI embeddings API in process (httpx's ASGI transport, the app's lifespan running
+its batcher), against `Embedder.encode` / `encode_ids` and transformers; bad requests, limits, the queue, the
+timeout, metrics; and the CLI on a real socket, drained by SIGTERM."""
+
+import asyncio
+import base64
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from conftest import TOLERANCE, hf_last_hidden, rel_err
+from prometheus_client.parser import text_string_to_metric_families
+
+import jaxembed
+from jaxembed.embedder import embed_jit
+from jaxembed.serve import create_app
+
+TEXTS = [
+    "Return the sum of a list of numbers, starting from the given value, and raise a TypeError when an item is not a "
+    "number.",
+    "Serialize obj to a JSON formatted str, using the given separators and indentation, sorting the keys if asked to.",
+    "Split the string at the last occurrence of the separator and return a tuple of the part before it, the separator "
+    "and the rest.",
+    "A longer document about JSON decoding, which goes on for a while so that it spans several chunks.",
+]
+# Few shapes, as each is a compilation: with Q = 8 every text is 56 to 64 tokens (with EOS), one length bucket, so
+# one text alone runs as [1, 64] and any batch of them as [4, 64] in vertical chunks of V = 16; two queries (with
+# the query prompt, 90 and 96 tokens) as [2, 96].
+
+
+@pytest.fixture(scope="module")
+def embedder(hf_model_dir):
+    return jaxembed.load(hf_model_dir[0])
+
+
+def serve(app, fn):
+    """Run `fn(client)` against the app with its lifespan (the batcher's worker) running."""
+    async def main():
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                         timeout=60) as client:
+                return await fn(client)
+
+    return asyncio.run(main())
+
+
+async def until(condition, timeout: float = 30.0):
+    """Wait for a condition (a state of the server, not a duration)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.002)
+
+
+def rows(response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    data = response.json()["data"]
+    assert [d["index"] for d in data] == list(range(len(data)))
+    return np.array([d["embedding"] for d in data], np.float32)
+
+
+class Gated:
+    """The embedder with its device work held until `gate` is set: which requests share a batch is then
+    decided by the test, not by timing."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.gate = threading.Event()
+        self.calls = []  # inputs per encode_ids call (one per merged batch)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def encode_ids(self, ids, **kwargs):
+        self.calls.append(len(ids))
+        assert self.gate.wait(30)
+        return self._inner.encode_ids(ids, **kwargs)
+
+
+def metric_values(text: str) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_embeddings_equal_encode(embedder, hf_model_dir, tokenizer):
+    _, model = hf_model_dir
+
+    async def run(c):
+        single = await c.post("/v1/embeddings", json={"input": TEXTS[0], "model": "tiny", "user": "u1"})
+        many = await c.post("/v1/embeddings", json={"input": TEXTS})
+        b64 = await c.post("/v1/embeddings", json={"input": TEXTS, "encoding_format": "base64"})
+        query = await c.post("/v1/embeddings", json={"input": TEXTS[:2], "input_type": "query",
+                                                     "instruction": "Retrieve code for the query"})
+        ids = await c.post("/v1/embeddings", json={"input": embedder.tokenize(TEXTS)})
+        flat = await c.post("/v1/embeddings", json={"input": eos_less})
+        dims = await c.post("/v1/embeddings", json={"input": TEXTS, "dimensions": 16})
+        return single, many, b64, query, ids, flat, dims
+
+    eos_less = embedder.tokenize([TEXTS[0]])[0][:-1]
+    single, many, b64, query, ids, flat, dims = serve(create_app(embedder, model_name="tiny"), run)
+    body = single.json()
+    assert body["object"] == "list" and body["model"] == "tiny" and body["data"][0]["object"] == "embedding"
+    n_single = len(embedder.tokenize([TEXTS[0]])[0])
+    assert body["usage"] == {"prompt_tokens": n_single, "total_tokens": n_single}
+    got = rows(single)[0]
+    np.testing.assert_allclose(got, embedder.encode(TEXTS[0]), atol=1e-5)
+    # and against transformers: its final-norm output at the EOS appended to the text
+    ref = hf_last_hidden(model, [tokenizer(TEXTS[0])["input_ids"] + [tokenizer.eos_token_id]])[0]
+    assert rel_err(got, ref / np.linalg.norm(ref)) < TOLERANCE["float32"]
+
+    expected = embedder.encode(TEXTS)
+    np.testing.assert_allclose(rows(many), expected, atol=1e-5)
+    total = sum(len(s) for s in embedder.tokenize(TEXTS))
+    assert many.json()["usage"] == {"prompt_tokens": total, "total_tokens": total}
+    decoded = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in b64.json()["data"]])
+    np.testing.assert_array_equal(decoded, rows(many))  # the same float32 values, either encoding
+
+    np.testing.assert_allclose(rows(query), embedder.encode_query(TEXTS[:2], instruction="Retrieve code for the "
+                                                                  "query"), atol=1e-5)
+    prompt = "Instruction: Retrieve code for the query\nQuery: "
+    assert query.json()["usage"]["prompt_tokens"] == sum(len(s) for s in embedder.tokenize([prompt + t for t in
+                                                                                            TEXTS[:2]]))
+    np.testing.assert_allclose(rows(ids), expected, atol=1e-5)  # ids that end in EOS: the texts' embeddings
+    np.testing.assert_allclose(rows(flat), embedder.encode_ids([eos_less]), atol=1e-5)  # as given, no EOS added
+    assert flat.json()["usage"]["prompt_tokens"] == len(eos_less)
+    assert np.abs(rows(flat)[0] - got).max() > 1e-3  # without its EOS, another embedding
+
+    cut = expected[:, :16] / np.linalg.norm(expected[:, :16], axis=1, keepdims=True)  # truncate, then normalise
+    np.testing.assert_allclose(rows(dims), cut, atol=1e-5)
+
+
+def test_concurrent_requests_share_a_batch(embedder):
+    gated = Gated(embedder)
+    app = create_app(gated, max_wait_ms=0)
+    groups = [TEXTS[0], TEXTS[1:3], [TEXTS[3]]]
+
+    async def run(c):
+        blocker = asyncio.create_task(c.post("/v1/embeddings", json={"input": TEXTS[0]}))
+        await until(lambda: gated.calls)  # the worker holds the first batch
+        tasks = [asyncio.create_task(c.post("/v1/embeddings", json={"input": g})) for g in groups]
+        await until(lambda: app.state.batcher.queued == len(groups))
+        gated.gate.set()
+        out = await asyncio.gather(blocker, *tasks)
+        return out, (await c.get("/metrics")).text
+
+    (blocker, *responses), text = serve(app, run)
+    assert gated.calls == [1, 4]  # the three requests (four inputs) ran as one batch, one device batch
+    np.testing.assert_allclose(rows(blocker)[0], embedder.encode(TEXTS[0]), atol=1e-5)
+    expected = embedder.encode(TEXTS)
+    np.testing.assert_allclose(rows(responses[0]), expected[:1], atol=1e-5)  # each caller its own rows
+    np.testing.assert_allclose(rows(responses[1]), expected[1:3], atol=1e-5)
+    np.testing.assert_allclose(rows(responses[2]), expected[3:], atol=1e-5)
+    m = metric_values(text)
+    assert m[("jaxembed_batches_total", ())] == 2
+    assert m[("jaxembed_batch_requests_count", ())] == 2 and m[("jaxembed_batch_requests_sum", ())] == 4
+    assert m[("jaxembed_batch_inputs_sum", ())] == 5
+    assert m[("jaxembed_requests_total", (("endpoint", "embeddings"), ("status", "200")))] == 4
+
+
+def test_bad_requests_get_4xx_naming_the_problem(embedder):
+    app = create_app(embedder, model_name="tiny", max_input_tokens=64, max_request_tokens=130, max_inputs=4,
+                     max_body_bytes=2000)
+    long_text = "the quick brown fox " * 20
+    n_long = len(embedder.tokenize([long_text])[0])
+    mid = TEXTS[:3]
+    n_mid = sum(len(s) for s in embedder.tokenize(mid))
+    assert n_long > 64 and all(len(s) <= 64 for s in embedder.tokenize(mid)) and n_mid > 130
+    cases = [
+        (b'{"input": "a",', 400, "not valid JSON", None),
+        (b'["a"]', 400, "must be a JSON object, got an array", None),
+        ({}, 400, "'input' is required", "input"),
+        ({"input": ""}, 400, "'input' is an empty string", "input"),
+        ({"input": []}, 400, "'input' is an empty list", "input"),
+        ({"input": ["a", 3]}, 400, "input[1] is an integer, not a string", "input"),
+        ({"input": ["a", ""]}, 400, "input[1] is an empty string", "input"),
+        ({"input": {"text": "a"}}, 400, "got an object", "input"),
+        ({"input": [[1, 2], []]}, 400, "input[1] is an empty list of token ids", "input"),
+        ({"input": [1, 2, 100000]}, 400, "input[2] = 100000 is not a token id", "input"),
+        ({"input": [[1, True]]}, 400, "input[0][1] is a boolean, not a token id", "input"),
+        ({"input": long_text}, 413, f"input[0] has {n_long} tokens", "input"),
+        ({"input": mid}, 413, f"the request has {n_mid} tokens", "input"),
+        ({"input": ["a"] * 5}, 400, "5 items, more than this server's limit of 4", "input"),
+        ({"input": "a", "inputs": "b"}, 400, "unknown field 'inputs'", "inputs"),
+        ({"input": "a", "encoding_format": "int8"}, 400, "'encoding_format' must be", "encoding_format"),
+        ({"input": "a", "dimensions": 0}, 400, "'dimensions' must be an integer from 1 to 64", "dimensions"),
+        ({"input": "a", "dimensions": 65}, 400, "got 65", "dimensions"),
+        ({"input": "a", "instruction": "x"}, 400, "set 'input_type' to 'query'", "instruction"),
+        ({"input": [1, 2], "input_type": "query"}, 400, "token ids are used as given", "input_type"),
+        ({"input": "a", "input_type": "passage"}, 400, "'input_type' must be", "input_type"),
+        ({"input": "a", "model": "gpt"}, 404, "model 'gpt' is not served here", "model"),
+        ({"input": "a" * 3000}, 413, "limit of 2000", None),
+    ]
+
+    async def run(c):
+        out = []
+        for body, *_ in cases:
+            kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+            bad = await c.post("/v1/embeddings", headers={"content-type": "application/json"}, **kwargs)
+            good = await c.post("/v1/embeddings", json={"input": TEXTS[0], "model": "tiny"})
+            out.append((bad, good))
+        return out, await c.get("/v1/embeddings"), (await c.get("/metrics")).text
+
+    results, wrong_method, text = serve(app, run)
+    expected = embedder.encode(TEXTS[0])
+    for (body, status, message, param), (bad, good) in zip(cases, results, strict=True):
+        assert bad.status_code == status, (body, bad.text)
+        error = bad.json()["error"]
+        assert message in error["message"], (body, error)
+        assert error["param"] == param, (body, error)
+        np.testing.assert_allclose(rows(good)[0], expected, atol=1e-5)  # and the server goes on
+    assert wrong_method.status_code == 405 and "Method Not Allowed" in wrong_method.json()["error"]["message"]
+    m = metric_values(text)
+    by_status = {dict(k[1])["status"]: v for k, v in m.items()
+                 if k[0] == "jaxembed_requests_total" and dict(k[1])["endpoint"] == "embeddings"}
+    assert by_status == {"200": len(cases), "400": 19, "404": 1, "413": 3}
+
+
+def test_queue_full_then_timeout(embedder):
+    gated = Gated(embedder)
+    app = create_app(gated, max_queue=1, max_wait_ms=0)
+
+    async def run(c):
+        first = asyncio.create_task(c.post("/v1/embeddings", json={"input": TEXTS[0]}))
+        await until(lambda: gated.calls)
+        second = asyncio.create_task(c.post("/v1/embeddings", json={"input": TEXTS[0]}))
+        await until(lambda: app.state.batcher.queued == 1)
+        full = await c.post("/v1/embeddings", json={"input": TEXTS[0]})  # refused at once: the worker is held
+        gated.gate.set()
+        return full, await first, await second, await c.post("/v1/embeddings", json={"input": TEXTS[0]})
+
+    full, first, second, third = serve(app, run)
+    assert full.status_code == 503 and full.headers["retry-after"] == "1"
+    assert "queue is full (1 requests waiting)" in full.json()["error"]["message"]
+    for r in (first, second, third):
+        np.testing.assert_allclose(rows(r)[0], embedder.encode(TEXTS[0]), atol=1e-5)
+
+    gated = Gated(embedder)
+    app = create_app(gated, request_timeout=0.3, max_wait_ms=0)
+
+    async def run_timeout(c):
+        first = asyncio.create_task(c.post("/v1/embeddings", json={"input": TEXTS[0]}))
+        await until(lambda: gated.calls)
+        late = await c.post("/v1/embeddings", json={"input": TEXTS[0]})  # queued behind the held batch
+        queued_after = app.state.batcher.queued
+        gated.gate.set()
+        return await first, late, queued_after, await c.post("/v1/embeddings", json={"input": TEXTS[0]})
+
+    first, late, queued_after, third = serve(app, run_timeout)
+    for r in (first, late):
+        assert r.status_code == 504 and "timeout of 0.3 s" in r.json()["error"]["message"]
+    assert queued_after == 0  # the request that gave up left the queue: it is never run
+    assert gated.calls == [1, 1]  # the first (held), then the third; never the second
+    np.testing.assert_allclose(rows(third)[0], embedder.encode(TEXTS[0]), atol=1e-5)
+
+
+def test_health_metrics_models_and_warmup(embedder):
+    app = create_app(embedder, model_name="tiny", warmup_max_length=8, batch_size=1)
+
+    async def run(c):
+        health = await c.get("/health")
+        models = await c.get("/v1/models")
+        compiled = embed_jit._cache_size()
+        r = await c.post("/v1/embeddings", json={"input": "x"})  # 2 tokens: the [1, 8] program
+        new_programs = embed_jit._cache_size() - compiled
+        return health, models, r, new_programs, await c.get("/metrics")
+
+    health, models, r, new_programs, metrics = serve(app, run)
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "model": "tiny", "embedding_dim": 64, "queued": 0, "batches": 0}
+    assert [m["id"] for m in models.json()["data"]] == ["tiny"]
+    assert new_programs == 0  # warmed up: an input of at most 8 tokens compiles nothing new
+    tokens = r.json()["usage"]["prompt_tokens"]
+    assert metrics.headers["content-type"].startswith("text/plain")
+    m = metric_values(metrics.text)
+    assert m[("jaxembed_tokens_total", ())] == tokens and m[("jaxembed_inputs_total", ())] == 1
+    assert m[("jaxembed_batch_tokens_sum", ())] == tokens
+    for name in ("jaxembed_queue_seconds_count", "jaxembed_batch_seconds_count"):
+        assert m[(name, ())] == 1
+    assert m[("jaxembed_request_seconds_count", (("status", "200"),))] == 1
+    assert m[("jaxembed_queue_depth", ())] == 0 and m[("jaxembed_requests_in_flight", ())] == 0
+
+
+def test_cli_serves_on_loopback_and_drains_on_sigterm(embedder, hf_model_dir):
+    """`jaxembed serve` in a subprocess: a request in flight when SIGTERM arrives still gets its embedding."""
+    proc = subprocess.Popen([sys.executable, "-m", "jaxembed.cli", "serve", "--model", str(hf_model_dir[0]),
+                             "--port", "0", "--served-model-name", "tiny", "--no-access-log"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    lines = []
+    try:
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 60
+        port = None
+        while port is None:
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            found = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", "".join(lines))
+            port = found and int(found.group(1))
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}"
+        result = {}
+        request = threading.Thread(target=lambda: result.update(
+            r=httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS[0], "model": "tiny"}, timeout=60)))
+        request.start()
+        while True:  # until the server counts the request in flight (its first call compiles: seconds)
+            m = metric_values(httpx.get(f"{url}/metrics", timeout=10).text)
+            if m[("jaxembed_requests_in_flight", ())] == 1:
+                break
+            assert request.is_alive(), "the request finished before SIGTERM could be sent"
+        proc.send_signal(signal.SIGTERM)
+        request.join(60)
+        assert proc.wait(60) == -signal.SIGTERM  # uvicorn re-raises the signal once it has shut down
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(10)
+    log = "".join(lines)
+    assert "Shutting down" in log and "Finished server process" in log, log
+    np.testing.assert_allclose(rows(result["r"])[0], embedder.encode(TEXTS[0]), atol=1e-5)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=5)
