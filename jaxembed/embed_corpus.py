@@ -23,7 +23,6 @@ and batch k is read back only after batch k+1 is dispatched.
 from __future__ import annotations
 
 import codecs
-import contextlib
 import functools
 import hashlib
 import io
@@ -44,6 +43,7 @@ import numpy as np
 from jaxembed.errors import DataError, check_positive_int
 from jaxembed.files import write_atomically, write_text_atomically
 from jaxembed.text import batch_bucket, bucket_length, check_token_ids, make_batches, tokenize_texts
+from jaxembed.train.data import quiet_datasets
 
 FORMATS = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
 DEFAULT_SHARD_SIZE = 10_000
@@ -251,24 +251,6 @@ def _check_parquet_columns(corpus: Corpus) -> None:
             raise DataError(f"{corpus.path}: no {kind} column {name!r} (columns: {', '.join(map(repr, names))})")
 
 
-@contextlib.contextmanager
-def _quiet_datasets():
-    """No progress bars or info logs from `datasets` while it opens a file (failures become DataError)."""
-    import datasets
-    from datasets.utils import logging as ds_logging
-
-    bars_were_disabled = datasets.are_progress_bars_disabled()
-    verbosity = ds_logging.get_verbosity()
-    datasets.disable_progress_bars()
-    ds_logging.set_verbosity(ds_logging.ERROR)
-    try:
-        yield
-    finally:
-        ds_logging.set_verbosity(verbosity)
-        if not bars_were_disabled:
-            datasets.enable_progress_bars()
-
-
 def _dataset(corpus: Corpus):
     """A streamed `datasets.IterableDataset` of the corpus, columns (text[, id]) in that order.
 
@@ -277,7 +259,7 @@ def _dataset(corpus: Corpus):
     become the string "5") and, on a parse error, re-reads the whole file with pandas."""
     import datasets
 
-    with _quiet_datasets():
+    with quiet_datasets():
         if corpus.format == "jsonl":
             id_feature = {"id": datasets.Value("string" if corpus.id_type == "str" else "int64")} \
                 if corpus.id_field else {}

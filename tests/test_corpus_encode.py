@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import suite_xla_flags
 
 import jaxembed
 from jaxembed import cli
@@ -57,9 +58,7 @@ def args(model_dir, corpus, out, *extra, id_field: str | None = "id") -> list[st
 def env(devices: int | None = None, **extra) -> dict:
     out = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT), **extra}
-    out.pop("XLA_FLAGS", None)
-    if devices:
-        out["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    out["XLA_FLAGS"] = suite_xla_flags(devices)
     return out
 
 

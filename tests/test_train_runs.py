@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from conftest import suite_xla_flags
 
 from jaxembed.train.corpus import build_stdlib_corpus
 
@@ -56,9 +57,7 @@ def env(workdir: Path, devices: int | None = None) -> dict:
     out = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "JAX_PLATFORMS": "cpu",
            "JAX_COMPILATION_CACHE_DIR": str(workdir / "jax-cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "PYTHONPATH": str(ROOT)}
-    out.pop("XLA_FLAGS", None)
-    if devices:
-        out["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    out["XLA_FLAGS"] = suite_xla_flags(devices)
     return out
 
 

@@ -157,7 +157,7 @@ def _read_records(path: Path) -> Iterator[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def _quiet_datasets():
+def quiet_datasets():
     """No progress bars or error logs from `datasets` while it parses (failures are reported as DataError)."""
     import datasets
     from datasets.utils import logging as ds_logging
@@ -182,7 +182,7 @@ def _fast_records(path: Path) -> list[dict[str, Any]] | None:
     suffix = path.suffix.lower()
     try:
         # A fresh cache dir per call and in-memory tables: nothing is served stale when a file changes.
-        with _quiet_datasets(), tempfile.TemporaryDirectory(prefix="jaxembed-data-") as cache_dir:
+        with quiet_datasets(), tempfile.TemporaryDirectory(prefix="jaxembed-data-") as cache_dir:
             if suffix in PARQUET_SUFFIXES:
                 ds = datasets.Dataset.from_parquet(str(path), cache_dir=cache_dir, keep_in_memory=True)
             else:

@@ -114,7 +114,7 @@ def tokenize_sources(
     """
     import datasets
 
-    from jaxembed.train.data import _quiet_datasets
+    from jaxembed.train.data import quiet_datasets
 
     cache_dir = Path(cache_dir).expanduser()
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -144,7 +144,7 @@ def tokenize_sources(
                     "negatives_ids": [ids[2 * b + i * k: 2 * b + (i + 1) * k] for i in range(b)],
                     "truncated": per_row_cut.tolist()}
 
-        with contextlib.nullcontext() if show_progress else _quiet_datasets():
+        with contextlib.nullcontext() if show_progress else quiet_datasets():
             mapped = ds.map(encode, batched=True, batch_size=1000, remove_columns=ds.column_names, features=features,
                             cache_file_name=str(cache_dir / f"tokens-{key}.arrow"), new_fingerprint=key,
                             desc=f"tokenizing {source}")
