@@ -42,7 +42,7 @@ import numpy as np
 
 from jaxembed.errors import DataError, check_positive_int
 from jaxembed.files import write_atomically, write_text_atomically
-from jaxembed.text import batch_bucket, bucket_length, check_token_ids, make_batches, tokenize_texts
+from jaxembed.text import check_token_ids, make_batches, tokenize_texts
 from jaxembed.train.data import quiet_datasets
 
 FORMATS = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
@@ -775,15 +775,14 @@ def _tokenized_shards(corpus: Corpus, model, todo: list[int], shard_size: int, p
 
 
 def _padded_batches(shards, model, batch_size: int, budget, n_devices: int):
-    """Each shard's rows sorted by length and cut into padded batches (`make_batches`, as `encode_ids` does), the
-    rows padded to a power of two and then to a multiple of the device count."""
+    """Each shard's rows cut into padded batches (`make_batches`, as `encode_ids` does), the row count then
+    padded to a multiple of the device count."""
     for shard in shards:
-        order = np.argsort(-shard.lengths, kind="stable")
-        plan = make_batches(order, shard.lengths, batch_size, budget, lambda n: bucket_length(n, model.chunk_size))
+        plan = make_batches(shard.lengths, batch_size, budget, model.chunk_size)
         shard.out = np.empty((shard.rows, model.embedding_dim), np.float32)
         shard.pending = len(plan)
-        for rows, padded_len, max_rows in plan:
-            n_rows = -(-batch_bucket(len(rows), max_rows) // n_devices) * n_devices
+        for rows, padded_len, n_rows in plan:
+            n_rows = -(-n_rows // n_devices) * n_devices
             ids = np.zeros((n_rows, padded_len), np.int32)
             lengths = np.ones(n_rows, np.int32)
             for j, i in enumerate(rows):

@@ -32,6 +32,7 @@ from jaxembed.text import (  # noqa: F401  (re-exported: the embedder's public n
     MIN_BUCKET,
     QUERY_TEMPLATE,
     batch_bucket,
+    batch_shapes,
     bucket_length,
     check_texts,
     check_token_ids,
@@ -153,7 +154,8 @@ class Embedder:
         """Embed texts: [n, d] float32 (or [d] for a single string).
 
         prompt: a literal prefix for every text (e.g. the output of `query_prompt`).
-        vertical_chunk_size: "auto" (Appendix F), None (horizontal) or V, a multiple of Q.
+        vertical_chunk_size: "auto" (Appendix F, per device batch: V = 2Q for several rows, about 4096 for one),
+            None (horizontal) or V, a multiple of Q.
         max_tokens_per_batch: cap on padded tokens per batch (default: the embedder's).
         truncate_dim, precision, ranges, calibration_embeddings: as in sentence-transformers (see `encode_ids`).
         """
@@ -198,28 +200,34 @@ class Embedder:
         return self.encode(texts, **kwargs)
 
     def warmup(self, max_length: int, *, batch_size: int = 32, vertical_chunk_size: int | None | str = "auto",
-               max_tokens_per_batch: int | None = None, normalize_embeddings: bool = True) -> list[tuple[int, int]]:
+               max_tokens_per_batch: int | None = None, normalize_embeddings: bool = True,
+               partial_batches: bool = False) -> list[tuple[int, int]]:
         """Compile ahead the programs `encode(..., batch_size=...)` runs for texts of up to `max_length` tokens
         (EOS included): one per length bucket (`bucket_length`: powers of two up to Q, then Q times 1, 2, 3, 4,
-        6, 8, 12, ...; at most 2x padding, 1.25x beyond 32Q), for a full batch. A smaller last batch
-        compiles on first use. With the persistent compilation cache (`jaxembed.compile_cache`) the programs
+        6, 8, 12, ...; at most 2x padding, 1.25x beyond 32Q), for a full batch, and with partial_batches also
+        for every power-of-two row count below it (the last batch of a call, a server's lone long input);
+        see `text.make_batches`. With the persistent compilation cache (`jaxembed.compile_cache`) the programs
         are written to disk, so a later process loads them instead of compiling. Returns the [rows, length]
-        shapes compiled."""
+        shapes run."""
         check_positive_int("max_length", max_length)
         check_positive_int("batch_size", batch_size)
         budget = max_tokens_per_batch if max_tokens_per_batch is not None else self.max_tokens_per_batch
-        shapes, n = [], 1
-        while n <= max_length:
-            length = bucket_length(n, self.chunk_size)
-            rows = batch_size if budget is None else max(1, min(batch_size, budget // length))
-            V = self.resolve_vertical_chunk_size(vertical_chunk_size, rows)
+        shapes = batch_shapes(max_length, batch_size, budget, self.chunk_size, partial_batches=partial_batches)
+        for rows, length in shapes:
             # one call on zeros (AOT `lower().compile()` would not fill jit's own cache of programs)
-            jax.block_until_ready(embed_jit(self.params, self.config, np.zeros((rows, length), np.int32),
-                                            np.ones(rows, np.int32), vertical_chunk_size=V, chunk_size=self.chunk_size,
-                                            normalize=normalize_embeddings, kernels=self.kernels))
-            shapes.append((rows, length))
-            n = length + 1
+            jax.block_until_ready(self._embed_batch(np.zeros((rows, length), np.int32), np.ones(rows, np.int32),
+                                                    vertical_chunk_size, normalize_embeddings))
         return shapes
+
+    def _embed_batch(self, ids: np.ndarray, lengths: np.ndarray, vertical_chunk_size, normalize: bool):
+        """One device batch, dispatched (not waited for). V follows Appendix F for the rows that run together
+        (one sequence: a large V); a batch no longer than V runs horizontally, and is passed as such so that
+        it shares the program of every V it fits in."""
+        V = self.resolve_vertical_chunk_size(vertical_chunk_size, ids.shape[0])
+        if V is not None and ids.shape[1] <= V:
+            V = None
+        return embed_jit(self.params, self.config, ids, lengths, vertical_chunk_size=V, chunk_size=self.chunk_size,
+                         normalize=normalize, kernels=self.kernels)
 
     # ---- streams and sections (jaxembed.stream) ------------------------------------------
     def encode_stream(self, pieces: Iterable[str], *, prompt: str | None = None, normalize_embeddings: bool = True,
@@ -379,13 +387,11 @@ class Embedder:
         check_output_options(self.embedding_dim, rows=len(seqs), **output)
         if not seqs:
             return self._output(np.empty((0, self.embedding_dim), np.float32), normalize_embeddings, **output)
-        # Appendix F's policy depends on how many sequences run together, not on the batch_size cap
-        V = self.resolve_vertical_chunk_size(vertical_chunk_size, min(batch_size, len(seqs)))
+        self.resolve_vertical_chunk_size(vertical_chunk_size, 1)  # a bad V is an error before any work
         budget = max_tokens_per_batch if max_tokens_per_batch is not None else self.max_tokens_per_batch
         lengths = np.array([len(s) for s in seqs])
-        order = np.argsort(-lengths, kind="stable")
         out = np.empty((len(seqs), self.embedding_dim), np.float32)
-        batches = make_batches(order, lengths, batch_size, budget, lambda n: bucket_length(n, self.chunk_size))
+        batches = make_batches(lengths, batch_size, budget, self.chunk_size)
         total_tokens = int(lengths.sum())
         start = time.perf_counter()
         with tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="embedding",
@@ -393,15 +399,13 @@ class Embedder:
             # One batch in flight: batch k+1 is padded and dispatched (JAX dispatches asynchronously)
             # before batch k is read back, so the host's work overlaps the device's.
             in_flight = None
-            for rows, padded_len, max_rows in batches:
-                n_rows = batch_bucket(len(rows), max_rows)
+            for rows, padded_len, n_rows in batches:
                 batch = np.zeros((n_rows, padded_len), np.int32)
                 batch_lengths = np.ones(n_rows, np.int32)
                 for j, i in enumerate(rows):
                     batch[j, : lengths[i]] = seqs[i]
                     batch_lengths[j] = lengths[i]
-                emb = embed_jit(self.params, self.config, batch, batch_lengths, vertical_chunk_size=V,
-                                chunk_size=self.chunk_size, normalize=normalize_embeddings, kernels=self.kernels)
+                emb = self._embed_batch(batch, batch_lengths, vertical_chunk_size, normalize_embeddings)
                 if in_flight is not None:
                     self._read_back(out, *in_flight, lengths, bar)
                 in_flight = (emb, rows, n_rows, padded_len)
@@ -413,7 +417,7 @@ class Embedder:
 
     @staticmethod
     def _read_back(out, emb, rows, n_rows, padded_len, lengths, bar):
-        out[rows] = np.asarray(emb[: len(rows)], np.float32)
+        out[rows] = np.asarray(emb, np.float32)[: len(rows)]  # sliced on the host: no program per batch size
         _check_finite(out[rows], rows, n_rows, padded_len)
         bar.update(int(lengths[rows].sum()))
 

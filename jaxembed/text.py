@@ -39,6 +39,11 @@ def batch_bucket(n: int, max_rows: int) -> int:
     return min(max_rows, 1 << max(0, n - 1).bit_length())
 
 
+def row_cap(padded_len: int, batch_size: int, budget: int | None) -> int:
+    """Rows of a batch padded to padded_len: batch_size, and at most `budget` padded tokens (at least one row)."""
+    return batch_size if budget is None else max(1, min(batch_size, budget // padded_len))
+
+
 def cut_ids(ids: list[int], max_length: int | None, eos: int) -> tuple[list[int], bool]:
     """ids cut to max_length keeping the EOS at the end, and whether they were cut."""
     if max_length is None or len(ids) <= max_length:
@@ -60,19 +65,43 @@ def tokenize_texts(tokenizer, texts, eos: int, max_length: int | None = None) ->
     return out, truncated
 
 
-def make_batches(order, lengths, batch_size, budget, bucket):
-    """Consecutive runs of the length-sorted order: at most batch_size rows and, with a budget,
-    at most `budget` padded tokens (a longer single sequence still gets a batch of its own)."""
+def make_batches(lengths, batch_size: int, budget: int | None, chunk_size: int) -> list[tuple[np.ndarray, int, int]]:
+    """The device batches for sequences of these lengths: [(row indices, padded length, padded row count)].
+
+    Rows are taken longest first. A batch is padded to its first row's `bucket_length` and holds at most
+    `row_cap` rows; a further row joins it only if it is longer than half that padded length, or if the
+    batch is at most Q long (padding a short row costs less than a device call). In a sorted corpus the
+    neighbours of a row are about as long, so batches are full and one program serves each bucket; inputs
+    of mixed lengths that arrive together (a server's merged requests) do not pad a short input to a long
+    one's length. The row count is padded to a power of two (`batch_bucket`), so a partial batch adds at
+    most one program per power of two.
+    """
+    lengths = np.asarray(lengths)
+    order = np.argsort(-lengths, kind="stable")
     batches, i = [], 0
     while i < len(order):
-        padded = bucket(int(lengths[order[i]]))  # sorted descending: the first row is the longest
-        n = batch_size
-        if budget is not None:
-            n = max(1, min(batch_size, budget // padded))
-        rows = order[i : i + n]
-        batches.append((rows, padded, n))
-        i += n
+        padded = bucket_length(int(lengths[order[i]]), chunk_size)
+        cap = row_cap(padded, batch_size, budget)
+        end = i + 1
+        while end < len(order) and end - i < cap and (padded <= chunk_size or 2 * int(lengths[order[end]]) > padded):
+            end += 1
+        batches.append((order[i:end], padded, batch_bucket(end - i, cap)))
+        i = end
     return batches
+
+
+def batch_shapes(max_length: int, batch_size: int, budget: int | None, chunk_size: int, *,
+                 partial_batches: bool = False) -> list[tuple[int, int]]:
+    """Every [rows, padded length] that `make_batches` gives for sequences of up to max_length tokens: per
+    length bucket, a full batch and, with partial_batches, the powers of two below it (a last or lone batch)."""
+    shapes, n = [], 1
+    while n <= max_length:
+        padded = bucket_length(n, chunk_size)
+        cap = row_cap(padded, batch_size, budget)
+        rows = {cap} | ({1 << k for k in range(cap.bit_length()) if 1 << k < cap} if partial_batches else set())
+        shapes += [(r, padded) for r in sorted(rows, reverse=True)]
+        n = padded + 1
+    return shapes
 
 
 def check_texts(texts) -> list[str]:

@@ -169,6 +169,33 @@ def test_bucket_padding_is_bounded():
             assert b <= max(2 * n, 16) and (n <= 2 * q or b <= 1.5 * n) and (n <= 32 * q or b <= 1.25 * n), (n, q, b)
 
 
+def test_batch_plan_keeps_mixed_lengths_apart_and_corpora_in_full_batches():
+    """text.make_batches (encode, the corpus encoder and the server): every row once, padded to its batch's
+    bucket, at most batch_size rows and the token budget; a long input never pads a much shorter one; a
+    length-sorted corpus fills its batches; batch_shapes lists every shape a plan can hold."""
+    from jaxembed.text import batch_shapes, bucket_length, make_batches
+
+    rng = np.random.default_rng(0)
+    q = 16
+    for lengths, batch_size, budget in [(rng.integers(1, 3000, 500), 32, None), (rng.integers(1, 3000, 37), 8, 4096),
+                                        ([2000, 50, 1999, 3, 700], 32, None), ([5], 4, None)]:
+        lengths = np.asarray(lengths)
+        plan = make_batches(lengths, batch_size, budget, q)
+        rows = np.concatenate([r for r, _, _ in plan])
+        assert sorted(rows.tolist()) == list(range(len(lengths)))
+        shapes = set(batch_shapes(int(lengths.max()), batch_size, budget, q, partial_batches=True))
+        for r, padded, n_rows in plan:
+            assert padded == bucket_length(int(lengths[r].max()), q) and len(r) <= n_rows <= batch_size
+            assert n_rows & (n_rows - 1) == 0 or n_rows == batch_size or budget  # a power of two or the cap
+            assert budget is None or n_rows == 1 or n_rows * padded <= budget
+            assert padded <= q or (2 * lengths[r] > padded).all(), (lengths[r], padded)
+            assert (n_rows, padded) in shapes
+    plan = make_batches([2000, 50, 1999, 3, 700], 32, None, q)
+    assert [(sorted(r.tolist()), padded) for r, padded, _ in plan] == [([0, 2], 2048), ([4], 768), ([1], 64), ([3], 16)]
+    dense = make_batches(np.arange(1000, 1256), 32, None, q)  # a sorted corpus's neighbours: 8 full batches
+    assert [len(r) for r, _, _ in dense] == [32] * 8
+
+
 def test_non_finite_embeddings_stop_with_the_inputs_named(embedder):
     emb, _ = embedder
     params = dict(emb.params, embedding=emb.params["embedding"].at[5].set(jnp.nan))  # token 5 is poisoned

@@ -73,8 +73,12 @@ def test_warmup_compiles_every_bucket_ahead(tokenizer):
     model = Embedder(models.family(cfg).init_params(cfg, jax.random.key(1)), cfg, tokenizer=tokenizer, kernels="xla")
     shapes = model.warmup(40, batch_size=4)
     assert shapes == [(4, 8), (4, 16), (4, 24), (4, 32), (4, 48)]  # the buckets up to 40 tokens: 1, 2, 3, 4, 6 x Q
-    texts = ["x" * n for n in (1, 3, 9, 17, 25, 33, 30, 12)]  # 8 texts: two full batches of 4
+    texts = ["x" * n for n in (1, 3, 9, 17, 25, 33, 30, 12, 39, 2)]  # mixed lengths: partial batches too
     assert max(map(len, model.tokenize(texts))) <= 40
+    before = embed_jit._cache_size()
+    partial = model.warmup(40, batch_size=4, partial_batches=True)
+    assert set(partial) == {(r, n) for _, n in shapes for r in (1, 2, 4)}
+    assert embed_jit._cache_size() - before == 10  # 2 and 1 rows per bucket; a row alone shares V=None's program
     before = embed_jit._cache_size()
     out = model.encode(texts, batch_size=4, show_progress_bar=False)
     assert embed_jit._cache_size() == before  # nothing left to compile

@@ -10,7 +10,6 @@ import logging
 import threading
 import time
 
-import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -30,7 +29,6 @@ from jaxembed.serve.api import (
 )
 from jaxembed.serve.batcher import Batcher, Closed, QueueFull
 from jaxembed.serve.metrics import Metrics
-from jaxembed.text import bucket_length
 
 log = logging.getLogger("jaxembed.serve")
 INLINE_TOKENIZE_CHARS = 4096  # requests with at most this many characters of text are tokenized in the event loop
@@ -69,56 +67,6 @@ def check_limits(limits: dict) -> dict:
     return out
 
 
-def device_batches(lengths, *, chunk_size: int, batch_size: int, max_tokens_per_batch: int | None) -> list[list[int]]:
-    """The merged inputs (by their token counts) cut into the groups the worker passes to `encode_ids`, one call
-    each. Requests of mixed lengths that happen to arrive together must not pad a short input to a long one's
-    bucket, as one `encode_ids` call over all of them would (the direct `encode` of a whole corpus has sorted
-    neighbours of nearly equal length): inputs longer than Q go by length bucket (longest first), full batches of
-    the bucket's row cap (batch_size, and max_tokens_per_batch // bucket), then the rest as powers of two (no
-    padded rows). Inputs of at most Q tokens, where padding costs little and a device call more, form one group
-    that `encode_ids` sorts, pads and cuts itself."""
-    short: list[int] = []
-    by_bucket: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        if n <= chunk_size:
-            short.append(i)
-        else:
-            by_bucket.setdefault(bucket_length(n, chunk_size), []).append(i)
-    groups = []
-    for length in sorted(by_bucket, reverse=True):
-        rows, cap = by_bucket[length], row_cap(length, batch_size, max_tokens_per_batch)
-        while rows:
-            k = cap if len(rows) >= cap else 1 << (len(rows).bit_length() - 1)
-            groups.append(rows[:k])
-            rows = rows[k:]
-    return groups + ([short] if short else [])
-
-
-def row_cap(length: int, batch_size: int, max_tokens_per_batch: int | None) -> int:
-    """Rows of a device batch padded to `length` (as encode_ids / text.make_batches count them)."""
-    return batch_size if max_tokens_per_batch is None else max(1, min(batch_size, max_tokens_per_batch // length))
-
-
-def warmup(embedder, limits: dict, encode) -> list[tuple[int, int, str]]:
-    """Run once every device batch shape the server can run for inputs of up to warmup_max_length tokens (see
-    `device_batches`): per length bucket, its row cap and the powers of two below it, through the same
-    `encode_ids` settings the worker uses. A call of one sequence runs at Appendix F's V for one, of several at
-    the V for several ("auto"); short inputs (at most Q tokens) also run one row at the latter, as the last batch
-    of a call. Returns the shapes (rows, length, which V)."""
-    shapes, n, several = [], 1, embedder.resolve_vertical_chunk_size(limits["vertical_chunk_size"], 2)
-    while n <= limits["warmup_max_length"]:
-        length = bucket_length(n, embedder.chunk_size)
-        cap = row_cap(length, limits["batch_size"], limits["max_tokens_per_batch"])
-        for rows in sorted({cap} | {1 << k for k in range(cap.bit_length()) if 1 << k < cap}):
-            encode([[0] * length] * rows)
-            shapes.append((rows, length, "one" if rows == 1 else "several"))
-        if length <= embedder.chunk_size and limits["batch_size"] > 1:
-            encode([[0] * length], vertical_chunk_size=several)
-            shapes.append((1, length, "several"))
-        n = length + 1
-    return shapes
-
-
 def create_app(embedder, *, model_name: str = "jaxembed", **limits) -> Starlette:
     """The embeddings server for `embedder` (a `jaxembed.Embedder`). limits: see DEFAULT_LIMITS."""
     limits = check_limits(limits)
@@ -128,19 +76,12 @@ def create_app(embedder, *, model_name: str = "jaxembed", **limits) -> Starlette
     tokenizer_lock = threading.Lock()
     created = int(time.time())
 
-    def encode(ids, vertical_chunk_size=limits["vertical_chunk_size"]):
+    def run(ids):
+        """A merged batch, in the worker thread: one encode_ids call, whose `text.make_batches` keeps inputs of
+        mixed lengths that merely arrived together from padding each other."""
         return embedder.encode_ids(ids, batch_size=limits["batch_size"], show_progress_bar=False,
                                    max_tokens_per_batch=limits["max_tokens_per_batch"],
-                                   vertical_chunk_size=vertical_chunk_size)
-
-    def run(ids):
-        """A merged batch, in the worker thread: one encode_ids call per device batch (`device_batches`)."""
-        groups = device_batches([len(s) for s in ids], chunk_size=embedder.chunk_size,
-                                batch_size=limits["batch_size"], max_tokens_per_batch=limits["max_tokens_per_batch"])
-        out = np.empty((len(ids), embedder.embedding_dim), np.float32)
-        for group in groups:
-            out[group] = encode([ids[i] for i in group])
-        return out
+                                   vertical_chunk_size=limits["vertical_chunk_size"])
 
     batcher = Batcher(run, batch_tokens=limits["batch_tokens"], max_wait=limits["max_wait_ms"] / 1000,
                       max_queue=limits["max_queue"], metrics=metrics)
@@ -149,7 +90,10 @@ def create_app(embedder, *, model_name: str = "jaxembed", **limits) -> Starlette
     async def lifespan(app):
         if limits["warmup_max_length"] is not None:
             start = time.perf_counter()
-            shapes = await run_in_threadpool(warmup, embedder, limits, encode)
+            shapes = await run_in_threadpool(
+                embedder.warmup, limits["warmup_max_length"], batch_size=limits["batch_size"],
+                max_tokens_per_batch=limits["max_tokens_per_batch"], vertical_chunk_size=limits["vertical_chunk_size"],
+                partial_batches=True)
             log.info("warmed up %d batch shapes for inputs up to %d tokens in %.1f s", len(shapes),
                      limits["warmup_max_length"], time.perf_counter() - start)
         batcher.start()
