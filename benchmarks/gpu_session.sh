@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One GPU lease's measurements for the open GPU items (issues #19, #20, #22), as steps that each fit a
+# device call; every step is time-limited and writes its log (and JSON) under $OUT (at most 8 files come
+# back). Usage, through the device tool, with `.whl` carried (the wheels `datasets` needs, which the GPU
+# image lacks; see docs/benchmarks.md, "GPU session"):
+#
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+#     .whl/*.whl && export PYTHONPATH=/tmp/site || exit; bash benchmarks/gpu_session.sh check breakdown warm
+#
+# Steps (in the order they matter):
+#   check      Pallas kernels compiled for real against their XLA references (benchmarks/kernels.py)
+#   breakdown  #19: projection floor, full embed, GEMM/kernel/glue per family (benchmarks/gpu_breakdown.py)
+#   compare    #19: the 7B recurrent models against Mistral's sliding window (jaxembed bench model-comparison)
+#   warm       #22: warm start, a fresh process's compile share (benchmarks/warm_start.py)
+#   train      #20: the two throughput configs on the packages corpus built there (tokens/s and MFU)
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-session-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY=${PYTHON:-python3}
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, never stop the rest
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name ($(date -u +%FT%TZ), limit ${limit}s): $*"
+    timeout "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
+    echo "=== $name: exit $?"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$PY -c "import jax; print('jax', jax.__version__, jax.devices())"
+
+for s in "$@"; do
+    case $s in
+        check) step check 240 $PY benchmarks/kernels.py --only check ;;
+        breakdown) step breakdown 420 $PY benchmarks/gpu_breakdown.py --families mamba2,rwkv7,xlstm --layers 4 \
+            --cases 1x32k,32x4k --json "$OUT/breakdown.json" ;;
+        compare) step compare 420 $PY -m jaxembed.cli bench model-comparison --batch 1 --lengths 8k,32k,128k ;;
+        warm) step warm 300 $PY benchmarks/warm_start.py --how api,cli --max-length 4096 --threads 16 ;;
+        train)
+            step corpus 240 $PY -m jaxembed.cli corpus packages data/packages
+            for c in 8l-512 24l-768; do
+                step "train-$c" 420 $PY -m jaxembed.cli train "configs/train/gpu-throughput-$c.yaml"
+                cp "runs/gpu-throughput-$c/metrics.jsonl" "$OUT/metrics-$c.jsonl" 2>/dev/null
+            done ;;
+        *) echo "unknown step $s (check, breakdown, compare, warm, train)"; exit 2 ;;
+    esac
+done
