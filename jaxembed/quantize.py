@@ -35,6 +35,17 @@ def check_truncate_dim(dim, embedding_dim: int, *, optional: bool = False) -> No
                          f"{' or None' if optional else ''}, got {dim!r}")
 
 
+def _checked_ranges(ranges, dim: int) -> np.ndarray:
+    """int8/uint8 calibration ranges as a float array [2, dim] of finite minima and maxima."""
+    ranges = _float_array("ranges", ranges, ndims=(2,))
+    if ranges.shape != (2, dim):
+        raise ValueError(f"ranges must have shape (2, {dim}) (per-dimension minima and maxima of the "
+                         f"{dim}-dimensional output embeddings), got {ranges.shape}")
+    if not np.isfinite(ranges).all():
+        raise ValueError("ranges have non-finite values (NaN or inf)")
+    return ranges
+
+
 def check_output_options(embedding_dim: int, *, precision: str = "float32", truncate_dim: int | None = None,
                          ranges=None, calibration_embeddings=None, rows: int | None = None) -> None:
     """Check encode's output options before any embedding is computed: precision, truncate_dim, and ranges /
@@ -48,12 +59,7 @@ def check_output_options(embedding_dim: int, *, precision: str = "float32", trun
             raise ValueError(f"ranges / calibration_embeddings are for int8 and uint8 precision, not {precision}")
         return
     if ranges is not None:
-        ranges = _float_array("ranges", ranges, ndims=(2,))
-        if ranges.shape != (2, dim):
-            raise ValueError(f"ranges must have shape (2, {dim}) (per-dimension minima and maxima of the "
-                             f"{dim}-dimensional output embeddings), got {ranges.shape}")
-        if not np.isfinite(ranges).all():
-            raise ValueError("ranges have non-finite values (NaN or inf)")
+        _checked_ranges(ranges, dim)
     elif calibration_embeddings is not None:
         calibration = _float_array("calibration_embeddings", calibration_embeddings, ndims=(2,))
         if calibration.shape[1] != dim:
@@ -118,12 +124,7 @@ def quantize_embeddings(embeddings, precision: str, *, ranges=None, calibration_
                                     dim=dim, precision=precision, calibration=calibration_embeddings is not None,
                                     stacklevel=3)
     else:
-        ranges = _float_array("ranges", ranges, ndims=(2,))
-        if ranges.shape != (2, dim):
-            raise ValueError(f"ranges must have shape (2, {dim}) (per-dimension minima and maxima of {dim}-dimensional "
-                             f"embeddings), got {ranges.shape}")
-        if not np.isfinite(ranges).all():
-            raise ValueError("ranges have non-finite values (NaN or inf)")
+        ranges = _checked_ranges(ranges, dim)
     ranges = ranges.astype(np.float32, copy=False)
     starts = ranges[0, :]
     steps = (ranges[1, :] - starts) / 255
