@@ -10,6 +10,9 @@
 # Steps (in the order they matter):
 #   check      Pallas kernels compiled for real against their XLA references (benchmarks/kernels.py)
 #   breakdown  #19: projection floor, full embed, GEMM/kernel/glue per family (benchmarks/gpu_breakdown.py)
+#   memory     #19: compiled temporaries per schedule at the models' own depth, from shapes (program_memory.py)
+#   dsf        #19: the same with XLA's dynamic-slice fusion (GEMMs reading each layer's slice of the stacked
+#              weights in place): the vertical path's per-(chunk, layer) weight memcpys should be gone
 #   compare    #19: the 7B recurrent models against Mistral's sliding window (jaxembed bench model-comparison)
 #   warm       #22: warm start, a fresh process's compile share (benchmarks/warm_start.py)
 #   train      #20: the two throughput configs on the packages corpus built there (tokens/s and MFU)
@@ -35,6 +38,10 @@ for s in "$@"; do
         check) step check 240 $PY benchmarks/kernels.py --only check ;;
         breakdown) step breakdown 420 $PY benchmarks/gpu_breakdown.py --families mamba2,rwkv7,xlstm --layers 4 \
             --cases 1x32k,32x4k --json "$OUT/breakdown.json" ;;
+        memory) step memory 300 $PY benchmarks/program_memory.py ;;
+        dsf) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step dsf 420 $PY \
+            benchmarks/gpu_breakdown.py --families mamba2,rwkv7,xlstm --layers 4 --cases 1x32k,32x4k \
+            --json "$OUT/breakdown-dsf.json" ;;
         compare) step compare 420 $PY -m jaxembed.cli bench model-comparison --batch 1 --lengths 8k,32k,128k ;;
         warm) step warm 300 $PY benchmarks/warm_start.py --how api,cli --max-length 4096 --threads 16 ;;
         train)
@@ -43,6 +50,6 @@ for s in "$@"; do
                 step "train-$c" 420 $PY -m jaxembed.cli train "configs/train/gpu-throughput-$c.yaml"
                 cp "runs/gpu-throughput-$c/metrics.jsonl" "$OUT/metrics-$c.jsonl" 2>/dev/null
             done ;;
-        *) echo "unknown step $s (check, breakdown, compare, warm, train)"; exit 2 ;;
+        *) echo "unknown step $s (check, breakdown, memory, dsf, compare, warm, train)"; exit 2 ;;
     esac
 done
