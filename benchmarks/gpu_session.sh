@@ -16,6 +16,9 @@
 #   compare    #19: the 7B recurrent models against Mistral's sliding window (jaxembed bench model-comparison)
 #   warm       #22: warm start, a fresh process's compile share (benchmarks/warm_start.py)
 #   train      #20: the two throughput configs on the packages corpus built there (tokens/s and MFU)
+#   quality    #20: a from-scratch Mamba2 against BM25 on this repository's corpus (carry .gpu-data: made by
+#              `tar -C data -czf .gpu-data/packages-mined.tar.gz packages/train-mined.jsonl packages/heldout-2000.jsonl`);
+#              resumes from its checkpoint when run again
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
@@ -50,6 +53,13 @@ for s in "$@"; do
                 step "train-$c" 420 $PY -m jaxembed.cli train "configs/train/gpu-throughput-$c.yaml"
                 cp "runs/gpu-throughput-$c/metrics.jsonl" "$OUT/metrics-$c.jsonl" 2>/dev/null
             done ;;
-        *) echo "unknown step $s (check, breakdown, memory, dsf, compare, warm, train)"; exit 2 ;;
+        quality)
+            mkdir -p data && tar -C data -xzf .gpu-data/packages-mined.tar.gz \
+                || { echo "quality: carry .gpu-data/packages-mined.tar.gz"; continue; }
+            step quality 480 $PY -m jaxembed.cli train configs/train/packages-mamba2-gpu-quality.yaml
+            cp runs/packages-mamba2-gpu-quality/metrics.jsonl "$OUT/metrics-quality.jsonl" 2>/dev/null
+            step quality-table 120 $PY benchmarks/train_quality.py table data/packages/heldout-2000.jsonl \
+                "Mamba2 d256 4L full + mined (GPU)=runs/packages-mamba2-gpu-quality" ;;
+        *) echo "unknown step $s (check, breakdown, memory, dsf, compare, warm, train, quality)"; exit 2 ;;
     esac
 done

@@ -97,8 +97,8 @@ def run_layers(cfg, layer_params, x, states=None, *, runtime: Runtime):
 
     states: one state per layer, stacked on [n_layers] (vertical chunks, streams). They are the
     scan's carry, each layer's read and written back in place, so the program holds one copy of
-    them; as the scan's xs and ys it held three (input, stacked output, the carry), which at
-    batch 32 is 8.6 GB per copy for a 64-layer Codestral. None: every layer starts from its
+    them; as the scan's xs and ys it held two (the input and the stacked output), and one copy
+    is 8.8 GB at batch 32 for a 64-layer Codestral. None: every layer starts from its
     zero state and its new state is dropped (horizontal), so no stack of states exists at all.
 
     runtime.remat rematerialises each layer in the backward pass (`jax.checkpoint` around the
