@@ -35,11 +35,9 @@ from jaxembed.bench import measure  # noqa: E402
 from jaxembed.config import load_config  # noqa: E402
 from jaxembed.schedule import embed  # noqa: E402
 
-CONFIGS = {
-    "mamba2": ROOT / "configs/models/codestral-mamba-7b.yaml",
-    "rwkv7": ROOT / "configs/models/rwkv7-g0-7.2b.yaml",
-    "xlstm": ROOT / "configs/models/xlstm-7b.yaml",
-}
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_breakdown import CONFIGS  # noqa: E402  (the 7B configs, one list for both scripts)
+
 GiB = 2.0**30
 
 
