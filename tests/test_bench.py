@@ -14,10 +14,10 @@ import yaml
 
 from jaxembed.bench import sweep as sweeps
 from jaxembed.cli import main
+from jaxembed.testing import TINY_CONFIGS
 
 TINY_MODELS = {
-    "mamba2": dict(architecture="mamba2", vocab_size=64, d_model=32, n_layers=2, d_state=8, head_dim=8, n_groups=1,
-                   chunk_size=16),
+    "mamba2": TINY_CONFIGS["mamba2"],
     "transformer": dict(architecture="transformer", vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
                         d_ff=48, sliding_window=100),
 }

@@ -21,25 +21,18 @@ import pytest
 from jaxembed import checkpoint, models
 from jaxembed.config import config_from_dict
 from jaxembed.errors import ConfigError, ConversionError
-
-TINY = {
-    "mamba2": dict(architecture="mamba2", vocab_size=64, d_model=32, n_layers=2, d_state=8, head_dim=8, n_groups=1,
-                   chunk_size=16),
-    "rwkv7": dict(architecture="rwkv7", vocab_size=64, d_model=32, n_layers=2, head_size=16, decay_low_rank=8,
-                  a_low_rank=8, v_low_rank=8, gate_low_rank=8, chunk_size=16),
-    "xlstm": dict(architecture="xlstm", vocab_size=64, d_model=32, n_layers=2, n_heads=2, chunk_size=16),
-}
+from jaxembed.testing import TINY_CONFIGS
 
 
 def _save(directory: Path, family: str, seed: int = 0, **kw) -> Path:
-    cfg = config_from_dict(TINY[family])
+    cfg = config_from_dict(TINY_CONFIGS[family])
     params = models.family(cfg).init_params(cfg, jax.random.key(seed))
     return checkpoint.save(directory, cfg, params, **kw)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    return {f: _save(tmp_path_factory.mktemp(f) / "ckpt", f, seed=i) for i, f in enumerate(TINY)}
+    return {f: _save(tmp_path_factory.mktemp(f) / "ckpt", f, seed=i) for i, f in enumerate(TINY_CONFIGS)}
 
 
 def _largest_file(root: Path) -> Path:
@@ -70,7 +63,7 @@ def _damage(path: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate", "zero"])
-@pytest.mark.parametrize("family", list(TINY))
+@pytest.mark.parametrize("family", list(TINY_CONFIGS))
 def test_a_damaged_checkpoint_is_refused_by_name(saved, family, how, tmp_path):
     """Every kind of file of the checkpoint, flipped (400 bytes), truncated or zeroed: refused, and
     the message names the damaged file (none loads, so none embeds)."""
@@ -120,7 +113,7 @@ def test_unknown_manifest_keys_and_bad_token_ids_are_errors(saved, tmp_path):
     with pytest.raises(ConversionError, match=r"unknown 'embedder' settings \['query_tempalte'\]"):
         checkpoint.load(copy)
     with pytest.raises(ConfigError, match=r"eos_token_id must be a token id in \[0, vocab_size = 64\)"):
-        config_from_dict({**TINY["mamba2"], "eos_token_id": 64})
+        config_from_dict({**TINY_CONFIGS["mamba2"], "eos_token_id": 64})
 
 
 def test_existing_outputs_are_replaced_only_on_request(tmp_path):
@@ -270,7 +263,7 @@ def test_non_finite_embeddings_are_one_line_from_the_cli(tmp_path, capsys):
     from jaxembed.testing import make_tokenizer
 
     tok = make_tokenizer(128)
-    cfg = config_from_dict({**TINY["mamba2"], "vocab_size": len(tok)})
+    cfg = config_from_dict({**TINY_CONFIGS["mamba2"], "vocab_size": len(tok)})
     params = models.family(cfg).init_params(cfg, jax.random.key(0))
     params["norm_f"] = params["norm_f"] * float("nan")
     model = checkpoint.save(tmp_path / "nan", cfg, params, tokenizer=tok)

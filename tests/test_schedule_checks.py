@@ -10,6 +10,7 @@ import pytest
 
 from jaxembed import models, schedule
 from jaxembed.config import config_from_dict
+from jaxembed.testing import TINY_CONFIGS
 
 CFG = config_from_dict(dict(architecture="mamba2", vocab_size=64, d_model=32, n_layers=2, d_state=8, head_dim=8,
                             n_groups=1, chunk_size=16))
@@ -28,24 +29,16 @@ def test_concrete_ids_out_of_range_are_refused(bad):
     assert np.isfinite(np.asarray(schedule.embed(params, CFG, ids, np.array([7, 7])))).all()
 
 
-TINY = {
-    "mamba2": dict(architecture="mamba2", vocab_size=64, d_model=32, d_state=32, head_dim=8, n_groups=1, chunk_size=16),
-    "rwkv7": dict(architecture="rwkv7", vocab_size=64, d_model=32, head_size=16, decay_low_rank=8, a_low_rank=8,
-                  v_low_rank=8, gate_low_rank=8, chunk_size=16),
-    "xlstm": dict(architecture="xlstm", vocab_size=64, d_model=32, n_heads=2, chunk_size=16),
-}
-
-
-@pytest.mark.parametrize("family", sorted(TINY))
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
 def test_vertical_program_holds_one_copy_of_the_layer_states(family):
     """The paper's constant memory is one state per layer: each layer more costs the vertical program
     one layer's state more than it costs the horizontal one (compiled temporaries, same tokens in
-    flight). As a scan's xs and ys the states cost two (three buffers); at batch 32 that is 8.6 GB
-    per copy for a 64-layer Codestral."""
+    flight). As a scan's xs and ys they cost two; one copy is 8.8 GB at batch 32 for a 64-layer
+    Codestral."""
     b, V = 16, 32
 
     def temp_bytes(n_layers, t, vertical_chunk_size):
-        cfg = config_from_dict({**TINY[family], "n_layers": n_layers})
+        cfg = config_from_dict({**TINY_CONFIGS[family], "n_layers": n_layers})
         params = jax.eval_shape(lambda: models.family(cfg).init_params(cfg, jax.random.key(0)))
         compiled = jax.jit(lambda p, ids, n: schedule.embed(p, cfg, ids, n, vertical_chunk_size=vertical_chunk_size)
                            ).lower(params, jax.ShapeDtypeStruct((b, t), jnp.int32),
@@ -54,7 +47,7 @@ def test_vertical_program_holds_one_copy_of_the_layer_states(family):
 
     vertical = {n: temp_bytes(n, 3 * V, V) for n in (2, 6)}
     horizontal = {n: temp_bytes(n, V, None) for n in (2, 6)}
-    cfg = config_from_dict({**TINY[family], "n_layers": 2})
+    cfg = config_from_dict({**TINY_CONFIGS[family], "n_layers": 2})
     state = jax.eval_shape(lambda: models.family(cfg).init_state(cfg, b))
     state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state))
     extra_per_layer = ((vertical[6] - vertical[2]) - (horizontal[6] - horizontal[2])) / 4

@@ -19,6 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
+# The smallest configs of each recurrent family that exercise every path (n_layers 2, Q 16): tests build
+# them with `config_from_dict({**TINY_CONFIGS[family], ...overrides})`.
+TINY_CONFIGS = {
+    "mamba2": dict(architecture="mamba2", vocab_size=64, d_model=32, n_layers=2, d_state=8, head_dim=8, n_groups=1,
+                   chunk_size=16),
+    "rwkv7": dict(architecture="rwkv7", vocab_size=64, d_model=32, n_layers=2, head_size=16, decay_low_rank=8,
+                  a_low_rank=8, v_low_rank=8, gate_low_rank=8, chunk_size=16),
+    "xlstm": dict(architecture="xlstm", vocab_size=64, d_model=32, n_layers=2, n_heads=2, chunk_size=16),
+}
 
 def rel_err(out, ref) -> float:
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
