@@ -1,5 +1,6 @@
 """Command line: `jaxembed convert SRC DST`, `jaxembed embed --model PATH [FILES]`, `jaxembed train CONFIG.yaml`,
-`jaxembed corpus stdlib|packages OUT_DIR`, `jaxembed mine IN.jsonl OUT.jsonl --negatives K` (hard negatives by BM25
+`jaxembed corpus stdlib|packages OUT_DIR`, `jaxembed tokenizer TRAIN.jsonl OUT_DIR --vocab-size N`,
+`jaxembed mine IN.jsonl OUT.jsonl --negatives K` (hard negatives by BM25
 or a model), `jaxembed eval --model PATH --benchmark NAME | --tasks A,B` and
 `jaxembed bench NAME` (chunk-size, vertical-chunk-size, model-comparison)."""
 
@@ -349,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxembed.train.mine import add_parser as add_mine_parser
 
     add_mine_parser(sub)
+    from jaxembed.train.tokenizer import add_parser as add_tokenizer_parser
+
+    add_tokenizer_parser(sub)
     from jaxembed.serve import add_parser as add_serve_parser
 
     add_serve_parser(sub)

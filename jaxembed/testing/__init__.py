@@ -154,16 +154,9 @@ def local_corpus(limit_chars: int = 200_000) -> list[str]:
 
 def make_tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer trained here on standard-library docstrings, with <eos> = id 0."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from jaxembed.train.tokenizer import train_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(local_corpus(), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    return train_bpe(local_corpus(), vocab_size)
 
 
 def main(argv=None) -> int:

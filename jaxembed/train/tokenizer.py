@@ -1,0 +1,100 @@
+"""Byte-level BPE tokenizers trained on local text: `jaxembed tokenizer TRAIN OUT_DIR --vocab-size N`.
+
+A model trained from random weights needs a vocabulary of the text it will read. The built-in
+``stdlib-bpe:N`` is trained on 200k characters of standard-library docstrings, so Python code falls
+apart into pieces (``def`` is two tokens, ``self`` three) and 128 tokens hold half a function. This trains
+the same kind of tokenizer (byte-level BPE, ``<eos>`` = id 0, ``<pad>`` = id 1) on the queries and
+positives of a training file: the training split only, so no held-out text shapes the vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from jaxembed.errors import DataError
+
+SPECIAL_TOKENS = ("<eos>", "<pad>")  # ids 0 and 1, the ids the stdlib BPE and the model configs use
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte, then the special tokens
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int):
+    """A byte-level BPE `PreTrainedTokenizerFast` with `vocab_size` tokens learnt from `texts`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB:
+        raise ValueError(f"vocab_size must be an int >= {MIN_VOCAB} (256 bytes + special tokens), got {vocab_size!r}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[1])
+
+
+def training_texts(paths: Sequence[Path]) -> list[str]:
+    """Every query and positive of the training files, read and checked as the trainer reads them.
+    Negatives are left out: in mined or in-module files they are other records' positives."""
+    from jaxembed.train.data import _as_paths, _read_records
+
+    texts = []
+    for path in _as_paths(paths):
+        for rec in _read_records(path):
+            texts += [rec["query"], rec["positive"]]
+    return texts
+
+
+def write_tokenizer(tokenizer, out_dir: Path, *, overwrite: bool = False) -> None:
+    """save_pretrained into a temporary sibling, then renamed to `out_dir`: a reader sees no half-written tokenizer."""
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, overwrite=overwrite)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def _check_out_dir(out_dir: Path, *, overwrite: bool) -> None:
+    if out_dir.exists() and not overwrite:
+        raise DataError(f"{out_dir} exists; pass --overwrite to replace it")
+    if not out_dir.parent.is_dir():
+        raise DataError(f"{out_dir}: directory {out_dir.parent} does not exist")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register `jaxembed tokenizer` on the CLI's subparsers."""
+    p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer on the queries and positives of "
+                                         "training files (for models trained from scratch)")
+    p.add_argument("train", type=Path, nargs="+", help="training triples: .jsonl, .json or .parquet")
+    p.add_argument("out_dir", type=Path, help="directory to write (model.tokenizer in a training config)")
+    p.add_argument("--vocab-size", type=int, required=True, help="tokens, the 256 bytes and <eos>, <pad> included")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing directory")
+    p.set_defaults(func=cmd_tokenizer)
+    return p
+
+
+def cmd_tokenizer(args) -> int:
+    if args.vocab_size < MIN_VOCAB:
+        raise DataError(f"--vocab-size must be >= {MIN_VOCAB} (256 bytes + <eos>, <pad>), got {args.vocab_size}")
+    _check_out_dir(args.out_dir, overwrite=args.overwrite)  # before the work, not after it
+    texts = training_texts(args.train)
+    tokenizer = train_bpe(texts, args.vocab_size)
+    write_tokenizer(tokenizer, args.out_dir, overwrite=args.overwrite)
+    print(json.dumps({"texts": len(texts), "vocab_size": len(tokenizer), "out_dir": str(args.out_dir)}))
+    return 0

@@ -1,0 +1,72 @@
+"""`jaxembed tokenizer`: a byte-level BPE learnt from a training file's queries and positives, written
+atomically as a directory the trainer and `jaxembed.load` read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxembed.cli import main
+from jaxembed.embedder import load_tokenizer
+
+WORD_IN_POSITIVES = "frobnicatewidget"
+WORD_IN_NEGATIVES = "zzyzxquuxblorp"
+
+
+def _write_triples(path, n=40):
+    rows = [{"query": f"Frobnicate the widget number {i}.",
+             "positive": f"def {WORD_IN_POSITIVES}(self, n={i}):\n    return self.{WORD_IN_POSITIVES}(n - 1)",
+             "negatives": [f"def {WORD_IN_NEGATIVES}():\n    {WORD_IN_NEGATIVES}({i})"]} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_cli_learns_the_training_texts_and_writes_a_loadable_tokenizer(tmp_path, capsys):
+    train = tmp_path / "train.jsonl"
+    _write_triples(train)
+    out = tmp_path / "bpe"
+    assert main(["tokenizer", str(train), str(out), "--vocab-size", "300"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary == {"texts": 80, "vocab_size": 300, "out_dir": str(out)}  # 40 queries + 40 positives
+
+    tok = load_tokenizer(str(out))
+    assert (tok.eos_token_id, tok.pad_token_id, len(tok)) == (0, 1, 300)
+    # the positives' identifier, seen 80 times, became one token; the negatives' one was never read
+    assert tok.tokenize(WORD_IN_POSITIVES) == [WORD_IN_POSITIVES]
+    assert len(tok.tokenize(WORD_IN_NEGATIVES)) > 3
+    text = "def café(x):\n\treturn x  # ünïcode"
+    assert tok.decode(tok(text)["input_ids"]) == text  # byte-level: every text round-trips
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def test_cli_refuses_an_existing_directory_a_small_vocabulary_and_a_missing_file(tmp_path, capsys):
+    train = tmp_path / "train.jsonl"
+    _write_triples(train, n=4)
+    out = tmp_path / "bpe"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["tokenizer", str(train), str(out), "--vocab-size", "300"]) == 2
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "mine"
+    assert main(["tokenizer", str(train), str(tmp_path / "b2"), "--vocab-size", "100"]) == 2
+    assert "--vocab-size must be >= 258" in capsys.readouterr().err
+    assert main(["tokenizer", str(train), str(tmp_path / "no" / "b2"), "--vocab-size", "300"]) == 2
+    assert "directory" in capsys.readouterr().err
+    assert main(["tokenizer", str(tmp_path / "nope.jsonl"), str(tmp_path / "b3"), "--vocab-size", "300"]) == 2
+    assert "nope.jsonl: no such file" in capsys.readouterr().err
+
+    assert main(["tokenizer", str(train), str(out), "--vocab-size", "300", "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    assert len(load_tokenizer(str(out))) == 300
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe", "train.jsonl"]
+
+
+@pytest.mark.parametrize("line, message", [('{"query": 3, "positive": "x", "negatives": []}', "query"),
+                                           ('{"query": "q"', "train.jsonl")])
+def test_cli_names_the_bad_record(tmp_path, capsys, line, message):
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"query": "a b c", "positive": "d e f", "negatives": []}\n' + line + "\n")
+    assert main(["tokenizer", str(train), str(tmp_path / "bpe"), "--vocab-size", "300"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "line 2" in err
+    assert not (tmp_path / "bpe").exists()
