@@ -1,10 +1,10 @@
 """Byte-level BPE tokenizers trained on local text: `jaxembed tokenizer TRAIN OUT_DIR --vocab-size N`.
 
-A model trained from random weights needs a vocabulary of the text it will read. The built-in
-``stdlib-bpe:N`` is trained on 200k characters of standard-library docstrings, so Python code falls
-apart into pieces (``def`` is two tokens, ``self`` three) and 128 tokens hold half a function. This trains
-the same kind of tokenizer (byte-level BPE, ``<eos>`` = id 0, ``<pad>`` = id 1) on the queries and
-positives of a training file: the training split only, so no held-out text shapes the vocabulary.
+The built-in ``stdlib-bpe:N`` is trained on 200k characters of standard-library docstrings, so Python
+code falls into small pieces (``def`` is two tokens, `` self`` three). This trains the same kind of
+tokenizer (byte-level BPE, ``<eos>`` = id 0, ``<pad>`` = id 1) on the queries and positives of a training
+file: the training split only, so no held-out text shapes the vocabulary. Larger is not always better for
+a model trained from scratch: each token then has fewer training examples (docs/training.md).
 """
 
 from __future__ import annotations
