@@ -24,12 +24,11 @@ MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte, then the special tokens
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int):
-    """A byte-level BPE `PreTrainedTokenizerFast` with `vocab_size` tokens learnt from `texts`."""
+    """A byte-level BPE `PreTrainedTokenizerFast` with up to `vocab_size` tokens learnt from `texts` (never
+    fewer than the 256 bytes and the special tokens; fewer than `vocab_size` if the texts run out of merges)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB:
-        raise ValueError(f"vocab_size must be an int >= {MIN_VOCAB} (256 bytes + special tokens), got {vocab_size!r}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
