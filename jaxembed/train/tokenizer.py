@@ -60,7 +60,11 @@ def write_tokenizer(tokenizer, out_dir: Path, *, overwrite: bool = False) -> Non
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
+            try:
+                os.replace(tmp, out_dir)
+            except OSError:
+                os.replace(old, out_dir)  # the old tokenizer stays where it was
+                raise
             shutil.rmtree(old)
         else:
             os.replace(tmp, out_dir)
