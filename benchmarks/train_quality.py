@@ -3,6 +3,7 @@
     python benchmarks/train_quality.py sample data/packages/heldout.jsonl 2000
         # -> data/packages/heldout-2000.jsonl: a seeded random sample of the held-out rows
     python benchmarks/train_quality.py table data/packages/heldout-2000.jsonl NAME=RUN_DIR [NAME=RUN_DIR ...]
+    python benchmarks/train_quality.py score data/packages/heldout-2000.jsonl MODEL_DIR --max-length 128
 
 `table` prints one markdown row per method, nDCG@10 / recall@10 / MRR@10, every method ranking the same
 queries against the same documents (the sample's positives):
@@ -10,6 +11,9 @@ queries against the same documents (the sample's positives):
 - "untrained": the first run's step-0 evaluation (the random model before its first step);
 - each run: the last evaluation row of RUN_DIR/metrics.jsonl (the trainer's `retrieval_metrics`).
 A run's evaluation must have been made on this sample (its `queries`/`docs` counts are checked).
+
+`score` re-measures an exported model without its run's log: `jaxembed.load`, `encode_query` (with each row's
+instruction) and `encode_document`, ranked by cosine with ties counted against the positive, as the trainer does.
 """
 
 from __future__ import annotations
@@ -77,6 +81,27 @@ def table(heldout: Path, runs: list[tuple[str, Path]], k: int = 10) -> str:
     return "\n".join(lines)
 
 
+def score(heldout: Path, model_dir: Path, max_length: int | None, k: int = 10) -> dict:
+    import warnings
+
+    import jaxembed
+    from jaxembed.train.trainer import retrieval_metrics
+
+    rows = [json.loads(line) for line in heldout.read_text(encoding="utf-8").splitlines() if line.strip()]
+    docs = sorted({r["positive"] for r in rows})
+    index = {d: i for i, d in enumerate(docs)}
+    model = jaxembed.load(model_dir)
+    with warnings.catch_warnings():  # cutting to max_length is asked for here, as in training
+        warnings.simplefilter("ignore", UserWarning)
+        queries = np.zeros((len(rows), model.config.d_model), np.float32)
+        for instruction in {r.get("instruction") or None for r in rows}:  # one batched encode per instruction
+            picked = [i for i, r in enumerate(rows) if (r.get("instruction") or None) == instruction]
+            queries[picked] = model.encode_query([rows[i]["query"] for i in picked], instruction=instruction,
+                                                 max_length=max_length, batch_size=128)
+        documents = model.encode_document(docs, max_length=max_length, batch_size=128)
+    return retrieval_metrics(queries @ documents.T, np.array([index[r["positive"]] for r in rows]), k)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,9 +112,15 @@ def main(argv=None) -> int:
     p = sub.add_parser("table")
     p.add_argument("heldout", type=Path)
     p.add_argument("runs", nargs="+", help="NAME=RUN_DIR (the directory holding metrics.jsonl)")
+    p = sub.add_parser("score")
+    p.add_argument("heldout", type=Path)
+    p.add_argument("model", type=Path, help="a directory jaxembed.load reads (a run's exported model)")
+    p.add_argument("--max-length", type=int, default=None, help="cut texts to this many tokens (data.max_tokens)")
     args = parser.parse_args(argv)
     if args.command == "sample":
         print(sample(args.heldout, args.n, args.seed))
+    elif args.command == "score":
+        print(json.dumps(score(args.heldout, args.model, args.max_length)))
     else:
         runs = [(spec.split("=", 1)[0], Path(spec.split("=", 1)[1])) for spec in args.runs]
         print(table(args.heldout, runs))
