@@ -13,7 +13,8 @@ queries against the same documents (the sample's positives):
 A run's evaluation must have been made on this sample (its `queries`/`docs` counts are checked).
 
 `score` re-measures an exported model without its run's log: `jaxembed.load`, `encode_query` (with each row's
-instruction) and `encode_document`, ranked by cosine with ties counted against the positive, as the trainer does.
+own `instruction`; a training config's per-source defaults are not applied) and `encode_document`, ranked by
+cosine with ties counted against the positive, as the trainer does.
 """
 
 from __future__ import annotations
@@ -38,20 +39,26 @@ def sample(path: Path, n: int, seed: int = 0) -> Path:
     return out
 
 
+def documents_and_targets(rows: list[dict]) -> tuple[list[str], np.ndarray]:
+    """The sample's distinct positives (sorted), and each query's positive as an index into them."""
+    docs = sorted({r["positive"] for r in rows})
+    index = {d: i for i, d in enumerate(docs)}
+    return docs, np.array([index[r["positive"]] for r in rows])
+
+
 def bm25_metrics(rows: list[dict], k: int = 10) -> dict:
     import bm25s
 
     from jaxembed.train.trainer import retrieval_metrics
 
-    docs = sorted({r["positive"] for r in rows})
-    index = {d: i for i, d in enumerate(docs)}
+    docs, targets = documents_and_targets(rows)
     retriever = bm25s.BM25()
     retriever.index(bm25s.tokenize(docs, stopwords="en", show_progress=False), show_progress=False)
     scores = np.zeros((len(rows), len(docs)), np.float32)
     for i, query in enumerate(bm25s.tokenize([r["query"] for r in rows], stopwords="en", show_progress=False,
                                              return_ids=False)):
         scores[i] = retriever.get_scores(query)
-    return retrieval_metrics(scores, np.array([index[r["positive"]] for r in rows]), k)
+    return retrieval_metrics(scores, targets, k)
 
 
 def run_evals(run: Path) -> list[dict]:
@@ -88,18 +95,19 @@ def score(heldout: Path, model_dir: Path, max_length: int | None, k: int = 10) -
     from jaxembed.train.trainer import retrieval_metrics
 
     rows = [json.loads(line) for line in heldout.read_text(encoding="utf-8").splitlines() if line.strip()]
-    docs = sorted({r["positive"] for r in rows})
-    index = {d: i for i, d in enumerate(docs)}
+    docs, targets = documents_and_targets(rows)
     model = jaxembed.load(model_dir)
     with warnings.catch_warnings():  # cutting to max_length is asked for here, as in training
         warnings.simplefilter("ignore", UserWarning)
-        queries = np.zeros((len(rows), model.config.d_model), np.float32)
+        order, parts = [], []
         for instruction in {r.get("instruction") or None for r in rows}:  # one batched encode per instruction
             picked = [i for i, r in enumerate(rows) if (r.get("instruction") or None) == instruction]
-            queries[picked] = model.encode_query([rows[i]["query"] for i in picked], instruction=instruction,
-                                                 max_length=max_length, batch_size=128)
+            order += picked
+            parts.append(model.encode_query([rows[i]["query"] for i in picked], instruction=instruction,
+                                            max_length=max_length, batch_size=128))
+        queries = np.concatenate(parts)[np.argsort(order)]  # back to the rows' order
         documents = model.encode_document(docs, max_length=max_length, batch_size=128)
-    return retrieval_metrics(queries @ documents.T, np.array([index[r["positive"]] for r in rows]), k)
+    return retrieval_metrics(queries @ documents.T, targets, k)
 
 
 def main(argv=None) -> int:
