@@ -27,6 +27,7 @@ cfg = Mamba2Config(vocab_size=64, d_model=32, n_layers=2, d_state=8, head_dim=8,
 params = models.family(cfg).init_params(cfg, jax.random.key(0))
 out = jaxembed.embed(params, cfg, [[1, 2, 3, 0]], [4])
 print(json.dumps({"dir": jax.config.jax_compilation_cache_dir, "hits": len(hits),
+                  "min_seconds": jax.config.jax_persistent_cache_min_compile_time_secs,
                   "embedding": [float(x) for x in out[0]]}))
 """
 
@@ -41,10 +42,13 @@ def child(env_update: dict) -> dict:
 
 def test_persistent_compilation_cache_is_on_by_default_and_reused(tmp_path):
     home = tmp_path / "home"
-    first = child({"XDG_CACHE_HOME": str(home)})  # the default directory, under the user's cache home
-    assert first["dir"] == str(home / "jaxembed" / "xla") and first["hits"] == 0
+    # The tiny program may compile faster than jaxembed's write threshold on a fast machine (CI failed so once):
+    # the user's own JAX threshold, 0 here, must win, and makes the write independent of the machine's speed.
+    env = {"XDG_CACHE_HOME": str(home), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    first = child(env)  # the default directory, under the user's cache home
+    assert first["dir"] == str(home / "jaxembed" / "xla") and first["hits"] == 0 and first["min_seconds"] == 0
     assert any((home / "jaxembed" / "xla").iterdir())  # the program was written
-    second = child({"XDG_CACHE_HOME": str(home)})
+    second = child(env)
     assert second["hits"] >= 1 and second["embedding"] == first["embedding"]  # read back, same result
 
 
@@ -54,6 +58,8 @@ def test_compilation_cache_switches(tmp_path, monkeypatch):
     from jaxembed import compile_cache
 
     assert jax.config.jax_compilation_cache_dir is None
+    min_seconds = jax.config.jax_persistent_cache_min_compile_time_secs
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
     monkeypatch.setenv(compile_cache.ENV, "off")
     assert compile_cache.apply() is None and jax.config.jax_compilation_cache_dir is None
     try:
@@ -63,8 +69,11 @@ def test_compilation_cache_switches(tmp_path, monkeypatch):
         jax.config.update("jax_compilation_cache_dir", None)
         assert compile_cache.apply() == tmp_path / "ours" and (tmp_path / "ours").is_dir()
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "ours")
+        # JAX's own 1 s threshold would skip most embedding programs on a CPU: jaxembed lowers it
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == compile_cache.MIN_COMPILE_SECONDS
     finally:
         jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
 
 
 def test_warmup_compiles_every_bucket_ahead(tokenizer):
