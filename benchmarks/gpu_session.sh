@@ -9,6 +9,8 @@
 #
 # Steps (in the order they matter):
 #   check      Pallas kernels compiled for real against their XLA references (benchmarks/kernels.py)
+#   segments   #19: SSD and mLSTM at batch 1 with the sequence split into 1..16 segments (the sweep behind
+#              kernels.common.sequence_segments; T = 4096 is the batch-1 vertical chunk)
 #   breakdown  #19: projection floor, full embed, GEMM/kernel/glue per family (benchmarks/gpu_breakdown.py)
 #   memory     #19: compiled temporaries per schedule at the models' own depth, from shapes (program_memory.py)
 #   dsf        #19: the same with XLA's dynamic-slice fusion (GEMMs reading each layer's slice of the stacked
@@ -39,6 +41,8 @@ $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 for s in "$@"; do
     case $s in
         check) step check 240 $PY benchmarks/kernels.py --only check ;;
+        segments) step segments 300 $PY benchmarks/kernels.py --only sweep --families ssd mlstm \
+            --sweep-lengths 4096 16384 --out "$OUT/segments" ;;
         breakdown) step breakdown 420 $PY benchmarks/gpu_breakdown.py --families mamba2,rwkv7,xlstm --layers 4 \
             --cases 1x32k,32x4k --json "$OUT/breakdown.json" ;;
         memory) step memory 300 $PY benchmarks/program_memory.py ;;
@@ -60,6 +64,6 @@ for s in "$@"; do
             cp runs/packages-mamba2-gpu-quality/metrics.jsonl "$OUT/metrics-quality.jsonl" 2>/dev/null
             step quality-table 120 $PY benchmarks/train_quality.py table data/packages/heldout-2000.jsonl \
                 "Mamba2 d256 4L full + mined (GPU)=runs/packages-mamba2-gpu-quality" ;;
-        *) echo "unknown step $s (check, breakdown, memory, dsf, compare, warm, train, quality)"; exit 2 ;;
+        *) echo "unknown step $s (check, segments, breakdown, memory, dsf, compare, warm, train, quality)"; exit 2 ;;
     esac
 done

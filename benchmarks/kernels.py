@@ -222,6 +222,11 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+# (1, 1337) is 21 chunks of 64 at batch 1: long enough that SSD and mLSTM split the sequence into 4
+# segments (kernels.common.sequence_segments), so the segment-state kernel and the combine run compiled
+CHECK_CASES = ((2, 37), (1, 300), (1, 1337))
+
+
 def check(rows):
     """Each kernel compiled for the GPU against its XLA reference (float32 at full matmul precision),
     odd lengths and non-power-of-two dims, with a random initial state, forward and gradients."""
@@ -231,7 +236,7 @@ def check(rows):
     small = {"ssd": dict(h=6, p=48, g=2, n=40), "wkv7": dict(h=3, p=40, n=48), "mlstm": dict(h=3, k=40, v=72)}
     for family in FAMILIES:
         for dtype in (jnp.float32, jnp.bfloat16):
-            for b, t in ((2, 37), (1, 300)):
+            for b, t in CHECK_CASES:
                 key = jax.random.PRNGKey(b * 1000 + t)
                 args = inputs(family, b, t, dtype, key, small[family])
                 upcast = {k: (v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v) for k, v in args.items()}
@@ -262,7 +267,7 @@ def check_packed_ssd(rows):
     dims = dict(heads=4, head_dim=32, groups=2, state_size=32)  # packable: blocks start on boundaries
     width = dims["heads"] * dims["head_dim"] + 2 * dims["groups"] * dims["state_size"]
     for dtype in (jnp.float32, jnp.bfloat16):
-        for b, t in ((2, 37), (1, 300)):
+        for b, t in CHECK_CASES:
             ks = jax.random.split(jax.random.PRNGKey(7 * t + b), 6)
             h = dims["heads"]
             args = dict(xbc=jax.random.normal(ks[0], (b, t, width)).astype(dtype),
@@ -325,35 +330,45 @@ def ops_table(rows, families, lengths, batches, peers, rate, bw, mem_bytes):
                 print(row, flush=True)
 
 
-SWEEP = {  # (chunk, value_block, num_warps) candidates for the heuristic
-    "ssd": [(64, 32, 4), (64, 64, 4), (64, 64, 8), (128, 32, 8), (32, 64, 4)],
-    "wkv7": [(16, 16, 4), (16, 32, 4), (16, 64, 4), (32, 32, 4), (32, 64, 8)],
-    "mlstm": [(64, 32, 8), (64, 64, 8), (128, 64, 8), (32, 64, 4), (64, 128, 8), (32, 128, 8)],
+SWEEP = {  # (chunk, value_block, num_warps, segments) candidates for the heuristic; segments None = auto
+    "ssd": [(64, 32, 4, 1), (64, 64, 4, 1), (64, 64, 8, 1), (128, 32, 8, 1), (32, 64, 4, 1),
+            (64, 64, 4, 2), (64, 64, 4, 4), (64, 64, 4, 8), (64, 64, 4, 16)],
+    "wkv7": [(16, 16, 4, None), (16, 32, 4, None), (16, 64, 4, None), (32, 32, 4, None), (32, 64, 8, None)],
+    "mlstm": [(64, 32, 8, 1), (64, 64, 8, 1), (128, 64, 8, 1), (32, 64, 4, 1), (64, 128, 8, 1), (32, 128, 8, 1),
+              (64, 32, 8, 2), (64, 32, 8, 4), (64, 32, 8, 8), (64, 32, 8, 16)],
 }
 
 
-def sweep(rows, families, t=16384, b=1):
-    """Time each BlockSizes candidate on the 7B shapes (the data behind `kernels.heuristic`)."""
+def sweep(rows, families, lengths=(4096, 16384), b=1):
+    """Time each BlockSizes candidate on the 7B shapes (the data behind `kernels.heuristic` and
+    `kernels.common.sequence_segments`); 4096 is the vertical chunk of the batch-1 embed."""
     import jax
     import jax.numpy as jnp
 
     from jaxembed.kernels import BlockSizes, heuristic
+    from jaxembed.kernels.common import sequence_segments
 
     for family in families:
-        args = inputs(family, b, t, jnp.bfloat16, jax.random.PRNGKey(7))
         s = SHAPES[family]
         default = heuristic(family, key_dim=s.get("n", s.get("k")), value_dim=s.get("p", s.get("v")))
-        for chunk, vb, warps in SWEEP[family] + [(default.chunk, default.value_block, default.num_warps)]:
-            blocks = BlockSizes(chunk=chunk, value_block=vb, num_warps=warps)
-            try:
-                fn = jax.jit(lambda a, family=family, blocks=blocks: run_op(family, "pallas", a, 16, blocks))
-                ms = 1e3 * time_jax(fn, (args,))
-            except Exception as e:
-                ms = f"{type(e).__name__}: {str(e)[:100]}"
-            rows.append(dict(family=family, b=b, t=t, chunk=chunk, value_block=vb, num_warps=warps, ms=ms,
-                             heuristic=blocks == default))
-            print(rows[-1], flush=True)
-            jax.clear_caches()
+        for t in lengths:
+            args = inputs(family, b, t, jnp.bfloat16, jax.random.PRNGKey(7))
+            programs = b * s["h"] * (s.get("p", s.get("v")) // default.value_block)
+            auto = sequence_segments(default, programs=programs, n_chunks=-(-t // default.chunk))
+            for chunk, vb, warps, segments in SWEEP[family] + [(default.chunk, default.value_block, default.num_warps,
+                                                                None)]:
+                blocks = BlockSizes(chunk=chunk, value_block=vb, num_warps=warps, segments=segments)
+                try:
+                    fn = jax.jit(lambda a, family=family, blocks=blocks: run_op(family, "pallas", a, 16, blocks))
+                    ms = 1e3 * time_jax(fn, (args,))
+                except Exception as e:
+                    ms = f"{type(e).__name__}: {str(e)[:100]}"
+                rows.append(dict(family=family, b=b, t=t, chunk=chunk, value_block=vb, num_warps=warps,
+                                 segments=segments, heuristic=blocks == default,
+                                 heuristic_segments=auto if blocks == default else None, ms=ms))
+                print(rows[-1], flush=True)
+                jax.clear_caches()
+            del args
 
 
 def encode_table(rows, families, layers, lengths):
@@ -433,6 +448,7 @@ def main(argv=None):
     ap.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--lengths", nargs="*", type=int, default=[4096, 16384, 65536])
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 32])
+    ap.add_argument("--sweep-lengths", nargs="*", type=int, default=[4096, 16384])
     ap.add_argument("--encode-lengths", nargs="*", type=int, default=[16384])
     ap.add_argument("--encode-layers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=REPS, help="timed repetitions (the median is reported)")
@@ -451,7 +467,7 @@ def main(argv=None):
     if "check" in sections:
         check(check_rows)
     if "sweep" in sections:
-        sweep(sweep_rows, args.families)
+        sweep(sweep_rows, args.families, args.sweep_lengths)
     if "ops" in sections:
         peers = {"mamba_ssm": import_mamba_ssm(args.mamba_src)}
         ops_table(op_rows, args.families, args.lengths, args.batches, peers, rate, bw, mem)

@@ -159,18 +159,110 @@ def test_kernels_lower_to_triton_for_the_gpu(family):
 
 
 def test_packed_ssd_lowers_at_codestral_shapes():
-    """The layer's packed SSD call at Codestral Mamba 7B's dims (128 heads x 64, 8 groups, n 128) and
-    an odd length, lowered for CUDA from shapes alone."""
+    """The layer's packed SSD call at Codestral Mamba 7B's dims (128 heads x 64, 8 groups, n 128),
+    lowered for CUDA from shapes alone: at batch 8 one kernel reading xbc in place (padded to whole
+    chunks at an odd length); at batch 2 and 1 the sequence is split into 2 and 4 segments, one
+    kernel for the segments' own end states and one for the outputs."""
     from jaxembed.kernels import ssd as k_ssd
 
-    b, t, h, p, g, n = 2, 4099, 128, 64, 8, 128
+    h, p, g, n = 128, 64, 8, 128
     S = jax.ShapeDtypeStruct
     fn = functools.partial(k_ssd.chunked_xbc, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=256)
-    lowered = jax.jit(lambda xbc, dt, A, D: fn(xbc, dt, A, D=D, dt_bias=D)).trace(
-        S((b, t, h * p + 2 * g * n), jnp.bfloat16), S((b, t, h), jnp.bfloat16), S((h,), jnp.float32),
-        S((h,), jnp.float32)).lower(lowering_platforms=("cuda",))
-    text = lowered.as_text()
-    assert text.count("xla.gpu.triton") == 1 and "tensor<2x4160x10240xbf16>" in text  # xbc read in place
+    for b, t, kernel_calls, padded_xbc in ((8, 4099, 1, "8x4160"), (2, 4099, 2, "2x4224"), (1, 4096, 2, None)):
+        lowered = jax.jit(lambda xbc, dt, A, D: fn(xbc, dt, A, D=D, dt_bias=D)).trace(
+            S((b, t, h * p + 2 * g * n), jnp.bfloat16), S((b, t, h), jnp.bfloat16), S((h,), jnp.float32),
+            S((h,), jnp.float32)).lower(lowering_platforms=("cuda",))
+        text = lowered.as_text()
+        assert text.count("xla.gpu.triton") == kernel_calls, (b, t)
+        assert ("ssd_segment_states" in text) == (kernel_calls == 2)
+        if padded_xbc:
+            assert f"tensor<{padded_xbc}x10240xbf16>" in text
+        else:  # a whole number of segments: no copy of xbc at all
+            assert "stablehlo.pad" not in text
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ssd_split_into_sequence_segments_matches_the_recurrence(dtype):
+    """SSD with the sequence split into segments walked in parallel (each segment's own end state
+    first, then every segment entered with the combined state before it), against the token-by-token
+    recurrence from a random initial state: an odd length whose last segments are partly or wholly
+    padding (t = 75 is 5 chunks of 16: 2 segments of 3 chunks, 4 of 2, 8 of 1), plain and packed xbc."""
+    rng = np.random.default_rng(next(_draws))
+    b, t, h, p, g, n = 1, 75, 4, 16, 2, 16
+    xbc = _normal(rng, (b, t, h * p + 2 * g * n)).astype(dtype)
+    dt, A = _normal(rng, (b, t, h)) - 1.0, -jnp.exp(_normal(rng, (h,)))
+    D, dt_bias, s0 = _normal(rng, (h,)), _normal(rng, (h,), 0.5), _normal(rng, (b, h, p, n))
+    x, B, C = ssd.split_xbc(xbc.astype(jnp.float32), heads=h, head_dim=p, groups=g, state_size=n)
+    y_ref, s_ref = ssd.recurrent(x, dt, A, B, C, D=D, dt_bias=dt_bias, initial_state=s0)
+    tol = KERNEL_TOLERANCE[dtype]
+    dims = dict(heads=h, head_dim=p, groups=g, state_size=n)
+    for segments in (2, 4, 8):
+        blocks = BlockSizes(chunk=16, value_block=16, segments=segments)
+        packed = kernels.ssd_chunked_xbc(xbc, dt, A, chunk_size=8, D=D, dt_bias=dt_bias, initial_state=s0,
+                                         backend="interpret", blocks=blocks, **dims)
+        split = kernels.ssd_chunked(x.astype(dtype), dt, A, B.astype(dtype), C.astype(dtype),
+                                    chunk_size=8, D=D, dt_bias=dt_bias, initial_state=s0, backend="interpret",
+                                    blocks=blocks)
+        for y, s in (packed, split):
+            assert bool(jnp.all(jnp.isfinite(y.astype(jnp.float32)))), segments
+            assert rel_err(y.astype(jnp.float32), y_ref) < tol, (segments, rel_err(y.astype(jnp.float32), y_ref))
+            assert rel_err(s, s_ref) < tol, (segments, rel_err(s, s_ref))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mlstm_split_into_sequence_segments_matches_the_recurrence(dtype):
+    """mLSTM with the sequence in segments: each segment's own stabilised end state (C, n, m) from
+    zero, merged into the entering state under the running max, against `ops.mlstm.chunked` at the
+    kernel's chunk length (the reference the suite holds every kernel to; it is checked against the
+    recurrence and transformers elsewhere) from a random initial state; t = 75 leaves the last
+    segments partly or wholly padding."""
+    rng = np.random.default_rng(next(_draws))
+    b, t, h, dk, dv = 1, 75, 2, 24, 40
+    q, k, v = (_normal(rng, (b, t, h, d)).astype(dtype) for d in (dk, dk, dv))
+    i, f = _normal(rng, (b, t, h), 3.0), _normal(rng, (b, t, h), 2.0) + 2
+    state = mlstm.State(_normal(rng, (b, h, dk, dv)), _normal(rng, (b, h, dk)), _normal(rng, (b, h)))
+    h_ref, s_ref = mlstm.chunked(*(a.astype(jnp.float32) for a in (q, k, v)), i, f, chunk_size=16,
+                                 initial_state=state)
+    tol = KERNEL_TOLERANCE[dtype]
+    for segments in (2, 4, 8):
+        out, s = kernels.mlstm_chunked(q, k, v, i, f, chunk_size=8, initial_state=state, backend="interpret",
+                                       blocks=BlockSizes(chunk=16, value_block=16, segments=segments))
+        assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))), segments
+        assert rel_err(out.astype(jnp.float32), h_ref) < tol, (segments, rel_err(out.astype(jnp.float32), h_ref))
+        # the stabiliser m is part of the state: the same running max, so C and n match unscaled
+        for got, want in zip(s, s_ref, strict=True):
+            assert rel_err(got, want) < tol, (segments, rel_err(got, want))
+
+
+def test_batch_one_mlstm_lowers_with_segments_at_xlstm_shapes():
+    """xLSTM 7B's mLSTM (8 heads, k 256, v 512) at batch 1 x 4096, lowered for CUDA from shapes:
+    the segment-state kernel and the output kernel; at batch 4 the grid is large enough for one."""
+    from jaxembed.kernels import mlstm as k_mlstm
+
+    S = jax.ShapeDtypeStruct
+    for b, kernel_calls in ((1, 2), (4, 1)):
+        t, h, dk, dv = 4096, 8, 256, 512
+        args = (S((b, t, h, dk), jnp.bfloat16), S((b, t, h, dk), jnp.bfloat16), S((b, t, h, dv), jnp.bfloat16),
+                S((b, t, h), jnp.float32), S((b, t, h), jnp.float32))
+        text = jax.jit(lambda *a: k_mlstm.chunked(*a, chunk_size=64)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("xla.gpu.triton") == kernel_calls and ("mlstm_segment_states" in text) == (b == 1)
+
+
+def test_sequence_segments_rule():
+    """Segments only where the grid is small: batch 1 at Codestral's 128 heads gets 4 (512 programs),
+    batch 32 none, and a segment keeps at least MIN_SEGMENT_CHUNKS chunks."""
+    from jaxembed.kernels.common import MIN_SEGMENT_CHUNKS, TARGET_PROGRAMS, sequence_segments
+
+    auto = BlockSizes(chunk=64, value_block=64)
+    assert sequence_segments(auto, programs=128, n_chunks=64) == TARGET_PROGRAMS // 128 == 4
+    assert sequence_segments(auto, programs=32 * 128, n_chunks=64) == 1
+    assert sequence_segments(auto, programs=1, n_chunks=2 * MIN_SEGMENT_CHUNKS - 1) == 1
+    assert sequence_segments(auto, programs=1, n_chunks=2 * MIN_SEGMENT_CHUNKS) == 2
+    assert sequence_segments(auto, programs=1, n_chunks=5 * MIN_SEGMENT_CHUNKS) == 4
+    assert sequence_segments(BlockSizes(segments=16), programs=4096, n_chunks=1) == 16  # asked for: kept
+    with pytest.raises(ValueError, match="segments"):
+        BlockSizes(segments=3)
 
 
 def _vjp(fn, args, seed):

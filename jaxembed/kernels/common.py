@@ -6,7 +6,11 @@ sequence chunk by chunk: the intra-chunk matrix work and the inter-chunk state u
 in one loop, so the state never leaves registers and no per-chunk intermediate (chunk states,
 decay matrices) is written to memory. The loop over chunks is the inter-chunk recurrence (the
 `lax.scan` of `ops/`), run inside the kernel: on a GPU that is one launch instead of one per
-chunk, which matters when T / L is in the thousands.
+chunk, which matters when T / L is in the thousands. When that grid is too small to fill the GPU
+(batch 1), SSD splits the sequence into segments walked by programs of their own: a first kernel
+computes each segment's own end state from zero in parallel, and every program of the second
+enters its segment with the initial state carried through the segments before it (a few
+multiply-adds of [value block, n] tiles), then walks its chunks as above.
 
 The GPU lowering is Pallas' Triton backend (explicit `CompilerParams`), the one of jax 0.10-0.11
 that lowers `BlockSpec` kernels with dots, reductions and `fori_loop` on any NVIDIA GPU and runs
@@ -40,12 +44,17 @@ class BlockSizes:
     value_block: value columns per program; programs split the value dim (SSD's p, WKV7's p,
                  mLSTM's v), whose columns evolve independently.
     num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+    segments:    how many stretches of the sequence are walked by programs of their own (a power
+                 of two; None: `sequence_segments` picks it from the grid). Kernels that support
+                 it (SSD) first compute each segment's own end state in a parallel pass, then
+                 start every segment from the combined state of those before it.
     """
 
     chunk: int = 64
     value_block: int = 32
     num_warps: int = 4
     num_stages: int = 2
+    segments: int | None = None
 
     def __post_init__(self):
         for name in ("chunk", "value_block"):
@@ -56,6 +65,10 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 6:
             raise ValueError(f"BlockSizes.num_stages must be an int in [1, 6], got {self.num_stages!r}")
+        if self.segments is not None and (not isinstance(self.segments, int) or not _pow2(self.segments)
+                                          or self.segments > MAX_SEGMENTS):
+            raise ValueError(f"BlockSizes.segments must be None or a power of two in [1, {MAX_SEGMENTS}], "
+                             f"got {self.segments!r}")
 
 
 # Per kernel: (chunk L, largest value block, warps), from `benchmarks/kernels.py --only sweep` on an
@@ -72,6 +85,28 @@ def heuristic(kernel: str, *, key_dim: int, value_dim: int) -> BlockSizes:
     chunk, largest, warps = _TILES[kernel]
     vb = min(padded(value_dim), largest, max(MIN_DOT, 8192 // padded(key_dim)))
     return BlockSizes(chunk=chunk, value_block=vb, num_warps=warps, num_stages=2)
+
+
+# A program walks its chunks one after another, and each chunk's loads, dots and state update wait
+# on the one before: at batch 1 the grid (b x h x value blocks: 128 programs for Codestral's SSD) is
+# one program per SM of an H100, latency-bound (docs/benchmarks.md). Splitting the sequence into
+# segments multiplies the programs; TARGET_PROGRAMS is ~4 per SM of a 132-SM H100, and a segment
+# keeps at least MIN_SEGMENT_CHUNKS chunks so the extra pass and the padding stay small.
+TARGET_PROGRAMS = 512
+MIN_SEGMENT_CHUNKS = 4
+MAX_SEGMENTS = 64
+
+
+def sequence_segments(blocks: BlockSizes, *, programs: int, n_chunks: int) -> int:
+    """How many segments the sequence is split into: `blocks.segments` when set, else the fewest
+    (a power of two) that bring the grid to TARGET_PROGRAMS, each keeping >= MIN_SEGMENT_CHUNKS."""
+    if blocks.segments is not None:
+        return blocks.segments
+    segments = 1
+    while (programs * segments < TARGET_PROGRAMS and segments < MAX_SEGMENTS
+           and n_chunks >= 2 * segments * MIN_SEGMENT_CHUNKS):
+        segments *= 2
+    return segments
 
 
 def padded(d: int) -> int:

@@ -30,8 +30,31 @@ from jaxembed.ops import mlstm as ref
 F32 = jnp.float32
 
 
-def _kernel(q_ref, k_ref, v_ref, i_ref, bc_ref, C0_ref, n0_ref, m0_ref, h_ref, C_ref, n_ref, m_ref, *,
-            L, n_chunks, scale, eps):
+def _merge(C, n, m, log_f, C_own, n_own, m_own):
+    """The state (C, n, m) carried across a stretch whose summed log forget gate is log_f, merged
+    with that stretch's own end state (entered from zero), under m' = max(log_f + m, m_own)."""
+    m_new = jnp.maximum(log_f + m, m_own)
+    old, new = jnp.exp(log_f + m - m_new), jnp.exp(m_own - m_new)
+    return old * C + new * C_own, old * n + new * n_own, m_new
+
+
+def _state_step(carry, k, v, ig, bc):
+    """The state entering a chunk -> the state leaving it: the chunk's own end state, stabilised
+    by its own max, merged with the decayed entering one."""
+    bc_end = jnp.min(bc)  # bc falls monotonically (log σ(f) <= 0): min = the chunk's last entry
+    a = bc_end - bc + ig  # [s]
+    m_loc = jnp.max(a)
+    kw = k.astype(F32) * jnp.exp(a - m_loc)[:, None]  # [s, k]
+    return _merge(*carry, bc_end, common.dot(kw.astype(v.dtype), v, trans_a=True), jnp.sum(kw, axis=0), m_loc)
+
+
+def _kernel(q_ref, k_ref, v_ref, i_ref, bc_ref, C0_ref, n0_ref, m0_ref, *refs, L, chunks, segments, scale, eps):
+    """Segment `program_id(3)` of the sequence (all of it when segments == 1), `chunks` chunks,
+    entered with the initial state merged with the own end states of the segments before it."""
+    if segments > 1:
+        seg_f_ref, seg_C_ref, seg_n_ref, seg_m_ref, h_ref, C_ref, n_ref, m_ref = refs
+    else:
+        h_ref, C_ref, n_ref, m_ref = refs
     causal, _ = common.causal_masks(L)
 
     def chunk(c, carry):
@@ -49,19 +72,28 @@ def _kernel(q_ref, k_ref, v_ref, i_ref, bc_ref, C0_ref, n0_ref, m0_ref, h_ref, C
         den = jnp.sum(S, axis=1) + w * jnp.sum(q.astype(F32) * n[None, :], axis=1)
         h = num / (jnp.maximum(jnp.abs(den), jnp.exp(-m_row)) + eps)[:, None]
         h_ref[t, :] = h.astype(h_ref.dtype)
-        # the chunk's own end state, stabilised by its own max, merged with the decayed entering state
-        bc_end = jnp.min(bc)  # bc falls monotonically (log σ(f) <= 0): min = the chunk's last entry
-        a = bc_end - bc + ig  # [s]
-        m_loc = jnp.max(a)
-        kw = k.astype(F32) * jnp.exp(a - m_loc)[:, None]  # [s, k]
-        m_new = jnp.maximum(bc_end + m, m_loc)
-        old, new = jnp.exp(bc_end + m - m_new), jnp.exp(m_loc - m_new)
-        C = old * C + new * common.dot(kw.astype(v.dtype), v, trans_a=True)
-        n = old * n + new * jnp.sum(kw, axis=0)
-        return C, n, m_new
+        return _state_step(carry, k, v, ig, bc)
 
-    C, n, m = lax.fori_loop(0, n_chunks, chunk, (C0_ref[...], n0_ref[...], m0_ref[...]))
-    C_ref[...], n_ref[...], m_ref[...] = C, n, m
+    carry, first = (C0_ref[...], n0_ref[...], m0_ref[...]), 0
+    if segments > 1:
+        segment = pl.program_id(3)
+        carry = lax.fori_loop(0, segment, lambda j, carry: _merge(*carry, seg_f_ref[j], seg_C_ref[j], seg_n_ref[j],
+                                                                  seg_m_ref[j]), carry)
+        first = segment * chunks
+    C_ref[...], n_ref[...], m_ref[...] = lax.fori_loop(first, first + chunks, chunk, carry)
+
+
+def _segment_state_kernel(k_ref, v_ref, i_ref, bc_ref, C_ref, n_ref, m_ref, *, L, chunks):
+    """The end state of segment `program_id(3)` entered from zero (m = PAD_I: no weight): the state
+    half of `_kernel`'s loop."""
+
+    def chunk(c, carry):
+        t = pl.ds(pl.multiple_of(c * L, L), L)
+        return _state_step(carry, k_ref[t, :], v_ref[t, :], i_ref[t], bc_ref[t])
+
+    first = pl.program_id(3) * chunks
+    zero = (jnp.zeros(C_ref.shape, F32), jnp.zeros(n_ref.shape, F32), jnp.full(m_ref.shape, ref.PAD_I, F32))
+    C_ref[...], n_ref[...], m_ref[...] = lax.fori_loop(first, first + chunks, chunk, zero)
 
 
 def _forward(q, k, v, i, f, C0, n0, m0, *, eps, blocks, interpret):
@@ -70,7 +102,11 @@ def _forward(q, k, v, i, f, C0, n0, m0, *, eps, blocks, interpret):
     L = blocks.chunk
     K, V = common.padded(dk), common.padded(dv)
     vb = blocks.value_block
-    T = t + (-t % L)
+    nvb = V // vb
+    n_chunks = -(-t // L)
+    segments = common.sequence_segments(blocks, programs=b * h * nvb, n_chunks=n_chunks)
+    chunks = -(-n_chunks // segments)  # per segment
+    T = segments * chunks * L
     # padding tokens neither decay (log σ(f) = 0) nor write (i = PAD_I)
     ig = common.pad_axis(jnp.moveaxis(i.astype(F32), 1, 2), 2, T, ref.PAD_I)  # [b, h, T]
     logf = common.pad_axis(jnp.moveaxis(jax.nn.log_sigmoid(f.astype(F32)), 1, 2), 2, T)
@@ -80,26 +116,44 @@ def _forward(q, k, v, i, f, C0, n0, m0, *, eps, blocks, interpret):
     C0p = common.pad_axis(common.pad_axis(C0, 2, K), 3, V)
     n0p = common.pad_axis(n0, 2, K)
 
-    keys = pl.BlockSpec((None, T, None, K), lambda x, y, z: (x, 0, y, 0))
-    values = pl.BlockSpec((None, T, None, vb), lambda x, y, z: (x, 0, y, z))
-    gates = pl.BlockSpec((None, None, T), lambda x, y, z: (x, y, 0))
-    C_spec = pl.BlockSpec((None, None, K, vb), lambda x, y, z: (x, y, 0, z))
-    n_in = pl.BlockSpec((None, None, K), lambda x, y, z: (x, y, 0))
-    m_in = pl.BlockSpec((None, None), lambda x, y, z: (x, y))
-    # every value block computes the same n and m; each writes its own copy (no shared writes)
-    n_out = pl.BlockSpec((None, None, None, K), lambda x, y, z: (x, y, z, 0))
-    m_out = pl.BlockSpec((None, None, None), lambda x, y, z: (x, y, z))
-    nvb = V // vb
+    keys = pl.BlockSpec((None, T, None, K), lambda x, y, z, s: (x, 0, y, 0))
+    values = pl.BlockSpec((None, T, None, vb), lambda x, y, z, s: (x, 0, y, z))
+    gates = pl.BlockSpec((None, None, T), lambda x, y, z, s: (x, y, 0))
+    C_spec = pl.BlockSpec((None, None, K, vb), lambda x, y, z, s: (x, y, 0, z))
+    n_in = pl.BlockSpec((None, None, K), lambda x, y, z, s: (x, y, 0))
+    m_in = pl.BlockSpec((None, None), lambda x, y, z, s: (x, y))
+    # every value block computes the same n and m; each writes its own copy (no shared writes), and
+    # each segment its own end state (the last one's is the final state)
+    C_out = pl.BlockSpec((None, None, None, K, vb), lambda x, y, z, s: (x, y, s, 0, z))
+    n_out = pl.BlockSpec((None, None, None, None, K), lambda x, y, z, s: (x, y, s, z, 0))
+    m_out = pl.BlockSpec((None, None, None, None), lambda x, y, z, s: (x, y, s, z))
+    extra_specs, extra_args = [], []
+    if segments > 1:
+        own = common.call(
+            lambda *refs: _segment_state_kernel(*refs, L=L, chunks=chunks),
+            grid=(b, h, nvb, segments - 1), in_specs=[keys, values, gates, gates], out_specs=[C_out, n_out, m_out],
+            out_shape=[jax.ShapeDtypeStruct((b, h, segments - 1, K, V), F32),
+                       jax.ShapeDtypeStruct((b, h, segments - 1, nvb, K), F32),
+                       jax.ShapeDtypeStruct((b, h, segments - 1, nvb), F32)],
+            blocks=blocks, interpret=interpret, name="mlstm_segment_states",
+        )(kp, vp, ig, bc)
+        segment_log_f = logf.reshape(b, h, segments, T // segments).sum(axis=-1)[..., :-1]
+        extra_specs = [pl.BlockSpec((None, None, segments - 1), lambda x, y, z, s: (x, y, 0)),
+                       pl.BlockSpec((None, None, segments - 1, K, vb), lambda x, y, z, s: (x, y, 0, 0, z)),
+                       pl.BlockSpec((None, None, segments - 1, None, K), lambda x, y, z, s: (x, y, 0, z, 0)),
+                       pl.BlockSpec((None, None, segments - 1, None), lambda x, y, z, s: (x, y, 0, z))]
+        extra_args = [segment_log_f, *own]
     hh, C, n, m = common.call(
-        lambda *refs: _kernel(*refs, L=L, n_chunks=T // L, scale=dk**-0.5, eps=eps),
-        grid=(b, h, nvb),
-        in_specs=[keys, keys, values, gates, gates, C_spec, n_in, m_in],
-        out_specs=[values, C_spec, n_out, m_out],
-        out_shape=[jax.ShapeDtypeStruct((b, T, h, V), v.dtype), jax.ShapeDtypeStruct((b, h, K, V), F32),
-                   jax.ShapeDtypeStruct((b, h, nvb, K), F32), jax.ShapeDtypeStruct((b, h, nvb), F32)],
+        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments, scale=dk**-0.5, eps=eps),
+        grid=(b, h, nvb, segments),
+        in_specs=[keys, keys, values, gates, gates, C_spec, n_in, m_in, *extra_specs],
+        out_specs=[values, C_out, n_out, m_out],
+        out_shape=[jax.ShapeDtypeStruct((b, T, h, V), v.dtype), jax.ShapeDtypeStruct((b, h, segments, K, V), F32),
+                   jax.ShapeDtypeStruct((b, h, segments, nvb, K), F32),
+                   jax.ShapeDtypeStruct((b, h, segments, nvb), F32)],
         blocks=blocks, interpret=interpret, name="mlstm_chunked",
-    )(qp, kp, vp, ig, bc, C0p, n0p, m0)
-    return hh[:, :t, :, :dv], ref.State(C[:, :, :dk, :dv], n[:, :, 0, :dk], m[:, :, 0])
+    )(qp, kp, vp, ig, bc, C0p, n0p, m0, *extra_args)
+    return hh[:, :t, :, :dv], ref.State(C[:, :, -1, :dk, :dv], n[:, :, -1, 0, :dk], m[:, :, -1, 0])
 
 
 @common.cached

@@ -8,7 +8,11 @@ For chunk c, entering with the state S [p, n] (float32, in registers):
     S     = exp(a_cum_L) S + (x ∘ dt exp(a_to_end))ᵀ B            [p, n]   (eqs. 9, 10)
 
 The diagonal block, the output correction and the chunk-boundary state are the three products
-of one iteration; the loop is the inter-chunk recurrence. Matmul operands are in the activation
+of one iteration; the loop is the inter-chunk recurrence. With `segments` > 1 (batch 1: too few
+programs for the GPU) the grid gains a segment axis: `_segment_state_kernel` first computes each
+segment's end state from a zero state, and segment k's program enters with
+S_k = exp(a_{k-1}) S_{k-1} + S_{k-1}^own (a_k the segment's summed log decay, S_0 the initial
+state), the same recurrence at segment granularity. Matmul operands are in the activation
 dtype (the state is cast like `ops.ssd.chunk_output` does), accumulation and every decay,
 exponential and the state are float32. Shapes as in `ops.ssd`: x [b, t, h, p], dt [b, t, h],
 A [h], B and C [b, t, g, n], D [h] or [h, p], state [b, h, p, n].
@@ -34,7 +38,21 @@ from jaxembed.ops import ssd as ref
 F32 = jnp.float32
 
 
-def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref, y_ref, s_ref, *, L, n_chunks):
+def _state_step(S, x, Bc, dt, a_cum, a_to_end):
+    """The state entering a chunk -> the state leaving it (eqs. 9, 10); S [pb, n] float32."""
+    w = (x.astype(F32) * (dt * jnp.exp(a_to_end))[:, None]).astype(x.dtype)  # [s, pb]
+    chunk_decay = jnp.exp(jnp.min(a_cum))  # a_cum falls monotonically (A < 0, dt >= 0): min = last
+    return chunk_decay * S + common.dot(w, Bc, trans_a=True)
+
+
+def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref, *refs, L, chunks, segments):
+    """Segment `program_id(3)` of the sequence (all of it when segments == 1): `chunks` chunks from
+    the state entering the segment, which is the initial state carried through the segments before
+    it by their own end states (`_segment_state_kernel`) and decays."""
+    if segments > 1:
+        seg_decay_ref, seg_state_ref, y_ref, s_ref = refs
+    else:
+        y_ref, s_ref = refs
     causal, _ = common.causal_masks(L)
     D = D_ref[...]  # [pb]
 
@@ -48,24 +66,42 @@ def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref,
         y += jnp.exp(a_cum)[:, None] * common.dot(Cc, S.astype(Cc.dtype), trans_b=True)
         y += D[None, :] * x.astype(F32)
         y_ref[t, :] = y.astype(y_ref.dtype)
-        w = (x.astype(F32) * (dt * jnp.exp(a_to_end))[:, None]).astype(x.dtype)  # [s, pb]
-        chunk_decay = jnp.exp(jnp.min(a_cum))  # a_cum falls monotonically (A < 0, dt >= 0): min = last
-        return chunk_decay * S + common.dot(w, Bc, trans_a=True)
+        return _state_step(S, x, Bc, dt, a_cum, a_to_end)
 
-    s_ref[...] = lax.fori_loop(0, n_chunks, chunk, s0_ref[...])
+    S, first = s0_ref[...], 0
+    if segments > 1:
+        segment = pl.program_id(3)
+        S = lax.fori_loop(0, segment, lambda j, S: jnp.exp(seg_decay_ref[j]) * S + seg_state_ref[j], S)
+        first = segment * chunks
+    s_ref[...] = lax.fori_loop(first, first + chunks, chunk, S)
 
 
-def _per_head_decays(dt, A, dt_bias, *, dt_limit, L: int, T: int):
+def _segment_state_kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, s_ref, *, L, chunks):
+    """The end state of segment `program_id(3)` entered with a zero state: the state half of
+    `_kernel`'s loop (one dot per chunk, no outputs per token)."""
+
+    def chunk(c, S):
+        t = pl.ds(pl.multiple_of(c * L, L), L)
+        return _state_step(S, x_ref[t, :], B_ref[t, :], dt_ref[t], a_cum_ref[t], a_to_end_ref[t])
+
+    first = pl.program_id(3) * chunks
+    s_ref[...] = lax.fori_loop(first, first + chunks, chunk, jnp.zeros(s_ref.shape, F32))
+
+
+def _per_head_decays(dt, A, dt_bias, *, dt_limit, L: int, T: int, segments: int):
     """dt [b, t, h] -> (dt, a_cum, a_to_end), each [b, T, h] float32, kept time-major like the
-    in_proj output they come from: a [b, h, T] layout here would make XLA lay the whole in_proj
-    output out feature-major and transpose every activation around the kernel."""
+    in_proj output they come from (a [b, h, T] layout here would make XLA lay the whole in_proj
+    output out feature-major and transpose every activation around the kernel), and the log decay
+    of each segment but the last [b, segments - 1, h]."""
     b, _, h = dt.shape
     # padding tokens have dt = 0: no decay, no input; the final state is that of the last real token
     dt = common.pad_axis(ref.discretize_dt(dt, dt_bias, dt_limit), 1, T)
-    a = (dt * A.astype(F32)).reshape(b, T // L, L, h)
-    a_cum = jnp.cumsum(a, axis=2)
-    a_to_end = lax.cumsum(a, axis=2, reverse=True) - a  # Σ over the rest of the chunk, no cancellation
-    return dt, a_cum.reshape(b, T, h), a_to_end.reshape(b, T, h)
+    a = dt * A.astype(F32)
+    chunks = a.reshape(b, T // L, L, h)
+    a_cum = jnp.cumsum(chunks, axis=2)
+    a_to_end = lax.cumsum(chunks, axis=2, reverse=True) - chunks  # Σ over the rest of the chunk, no cancellation
+    segment_decay = a.reshape(b, segments, T // segments, h).sum(axis=2)[:, :-1]
+    return dt, a_cum.reshape(b, T, h), a_to_end.reshape(b, T, h), segment_decay
 
 
 def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_limit, blocks, interpret):
@@ -77,29 +113,45 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
     r = h // g
     L, pb = blocks.chunk, blocks.value_block
     P, N = common.padded(p), common.padded(n)
-    T = t + (-t % L)
-    dt, a_cum, a_to_end = _per_head_decays(dt, A, dt_bias, dt_limit=dt_limit, L=L, T=T)
+    vb = P // pb  # value blocks per head
+    n_chunks = -(-t // L)
+    segments = common.sequence_segments(blocks, programs=b * h * vb, n_chunks=n_chunks)
+    chunks = -(-n_chunks // segments)  # per segment
+    T = segments * chunks * L
+    dt, a_cum, a_to_end, segment_decay = _per_head_decays(dt, A, dt_bias, dt_limit=dt_limit, L=L, T=T,
+                                                          segments=segments)
     x3, B3, C3 = (common.pad_axis(v, 1, T) for v in (x3, B3, C3))
     Dp = common.pad_axis(jnp.broadcast_to((D[:, None] if D.ndim == 1 else D).astype(F32), (h, p)), 1, P)
     s0 = common.pad_axis(common.pad_axis(state, 2, P), 3, N)
     x_off, B_off, C_off = offsets
-    vb = P // pb  # value blocks per head
 
-    per_head = pl.BlockSpec((None, T, None), lambda i, j, k: (i, 0, j))
-    st = pl.BlockSpec((None, None, pb, N), lambda i, j, k: (i, j, k, 0))
-    y, final = common.call(
-        lambda *refs: _kernel(*refs, L=L, n_chunks=T // L),
-        grid=(b, h, vb),
-        in_specs=[pl.BlockSpec((None, T, pb), lambda i, j, k: (i, 0, x_off + j * vb + k)),
-                  per_head, per_head, per_head,
-                  pl.BlockSpec((None, T, N), lambda i, j, k: (i, 0, B_off + j // r)),
-                  pl.BlockSpec((None, T, N), lambda i, j, k: (i, 0, C_off + j // r)),
-                  pl.BlockSpec((None, pb), lambda i, j, k: (j, k)), st],
-        out_specs=[pl.BlockSpec((None, T, None, pb), lambda i, j, k: (i, 0, j, k)), st],
-        out_shape=[jax.ShapeDtypeStruct((b, T, h, P), x3.dtype), jax.ShapeDtypeStruct((b, h, P, N), F32)],
+    x_spec = pl.BlockSpec((None, T, pb), lambda i, j, k, s: (i, 0, x_off + j * vb + k))
+    per_head = pl.BlockSpec((None, T, None), lambda i, j, k, s: (i, 0, j))
+    B_spec = pl.BlockSpec((None, T, N), lambda i, j, k, s: (i, 0, B_off + j // r))
+    C_spec = pl.BlockSpec((None, T, N), lambda i, j, k, s: (i, 0, C_off + j // r))
+    st = pl.BlockSpec((None, None, pb, N), lambda i, j, k, s: (i, j, k, 0))
+    seg_st = pl.BlockSpec((None, None, None, pb, N), lambda i, j, k, s: (i, j, s, k, 0))
+    extra_specs, extra_args = [], []
+    if segments > 1:
+        seg_states = common.call(
+            lambda *refs: _segment_state_kernel(*refs, L=L, chunks=chunks),
+            grid=(b, h, vb, segments - 1), in_specs=[x_spec, per_head, per_head, per_head, B_spec], out_specs=seg_st,
+            out_shape=jax.ShapeDtypeStruct((b, h, segments - 1, P, N), F32), blocks=blocks, interpret=interpret,
+            name="ssd_segment_states",
+        )(x3, dt, a_cum, a_to_end, B3)
+        extra_specs = [pl.BlockSpec((None, segments - 1, None), lambda i, j, k, s: (i, 0, j)),
+                       pl.BlockSpec((None, None, segments - 1, pb, N), lambda i, j, k, s: (i, j, 0, k, 0))]
+        extra_args = [segment_decay, seg_states]
+    y, ends = common.call(
+        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments),
+        grid=(b, h, vb, segments),
+        in_specs=[x_spec, per_head, per_head, per_head, B_spec, C_spec,
+                  pl.BlockSpec((None, pb), lambda i, j, k, s: (j, k)), st, *extra_specs],
+        out_specs=[pl.BlockSpec((None, T, None, pb), lambda i, j, k, s: (i, 0, j, k)), seg_st],
+        out_shape=[jax.ShapeDtypeStruct((b, T, h, P), x3.dtype), jax.ShapeDtypeStruct((b, h, segments, P, N), F32)],
         blocks=blocks, interpret=interpret, name="ssd_chunked",
-    )(x3, dt, a_cum, a_to_end, B3, C3, Dp, s0)
-    return y[:, :t, :, :p], final[:, :, :p, :n]
+    )(x3, dt, a_cum, a_to_end, B3, C3, Dp, s0, *extra_args)
+    return y[:, :t, :, :p], ends[:, :, -1, :p, :n]
 
 
 def _forward(x, dt, A, B, C, D, dt_bias, state, *, dt_limit, blocks, interpret):
