@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -50,3 +51,21 @@ def hf_model_dir(tmp_path_factory, tokenizer):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path, model
+
+
+@contextlib.contextmanager
+def record_segments():
+    """The segment counts the kernels pick (kernels.common.sequence_segments) while tracing inside."""
+    from jaxembed.kernels import common
+
+    chosen, pick = [], common.sequence_segments
+
+    def spy(blocks, **kw):
+        chosen.append(pick(blocks, **kw))
+        return chosen[-1]
+
+    common.sequence_segments = spy
+    try:
+        yield chosen
+    finally:
+        common.sequence_segments = pick

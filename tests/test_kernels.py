@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import record_segments
 from jax.experimental import pallas as pl
 
 from jaxembed import kernels
@@ -307,6 +308,12 @@ def test_embed_with_interpreted_kernels_matches_transformers(hf_model_dir):
     for v in (None, 16):
         out = emb.encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=v, batch_size=2)
         assert rel_err(out, ref) < 1e-4, (v, rel_err(out, ref))
+    # one sequence of 531 tokens is 9 or more kernel chunks of 64 for a grid of a few programs: the
+    # SSD kernel splits it into sequence segments
+    long = [list(rng.integers(0, 300, 531))]
+    with record_segments() as chosen:
+        out = emb.encode_ids(long, normalize_embeddings=False, batch_size=1)
+    assert max(chosen) > 1 and rel_err(out, hf_last_hidden(model, long)) < 1e-4
 
 
 def test_runtime_is_static_and_checked():

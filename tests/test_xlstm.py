@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from conftest import TOLERANCE, rel_err
+from conftest import TOLERANCE, record_segments, rel_err
 from safetensors.torch import load_file, save_file
 from transformers.models.xlstm import configuration_xlstm as hf_config
 from transformers.models.xlstm import modeling_xlstm as hf_kernels
@@ -190,6 +190,19 @@ def test_encode_ids_matches_transformers(name, tmp_path):
             ref_logits = model(input_ids=torch.tensor([seqs[-1]]), use_cache=False).logits[0, -1].double().numpy()
         logits = xlstm.logits(emb.config, emb.params, out[-1])
         assert rel_err(logits, ref_logits) < TOL
+
+
+def test_interpreted_kernel_with_sequence_segments_matches_transformers(tmp_path):
+    """The model path through the mLSTM Pallas kernel (`kernels="interpret"`) on one sequence of
+    531 tokens: 9 or more kernel chunks for a grid of a few programs, so the kernel walks the
+    sequence in segments (each segment's own end state, merged into the entering state)."""
+    model = make_hf_xlstm(seed=5, **CASES["causal_lm_single_h4_q16"])
+    model.save_pretrained(tmp_path)
+    emb = jaxembed.load(tmp_path, kernels="interpret")
+    seqs = random_seqs(model.config.vocab_size, (531,), seed=2)
+    with record_segments() as chosen:
+        out = emb.encode_ids(seqs, normalize_embeddings=False, batch_size=1)
+    assert max(chosen) > 1 and rel_err(out[0], hf_xlstm_last_hidden(model, seqs)[0]) < TOL
 
 
 # ---- conversion ----------------------------------------------------------------------------
