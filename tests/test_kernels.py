@@ -162,8 +162,8 @@ def test_kernels_lower_to_triton_for_the_gpu(family):
 def test_packed_ssd_lowers_at_codestral_shapes():
     """The layer's packed SSD call at Codestral Mamba 7B's dims (128 heads x 64, 8 groups, n 128),
     lowered for CUDA from shapes alone: at batch 8 one kernel reading xbc in place (padded to whole
-    chunks at an odd length); at batch 2 and 1 the sequence is split into 2 and 4 segments, one
-    kernel for the segments' own end states and one for the outputs."""
+    chunks at an odd length); at batch 2 and 1 the sequence is split into segments (2 and 4 by
+    `test_sequence_segments_rule`): one kernel for the segments' own end states, one for the outputs."""
     from jaxembed.kernels import ssd as k_ssd
 
     h, p, g, n = 128, 64, 8, 128
@@ -264,6 +264,9 @@ def test_sequence_segments_rule():
     assert sequence_segments(BlockSizes(segments=16), programs=4096, n_chunks=1) == 16  # asked for: kept
     with pytest.raises(ValueError, match="segments"):
         BlockSizes(segments=3)
+    x = jnp.zeros((1, 4, 1, 16))
+    with pytest.raises(ValueError, match="segments must be None or 1"):  # not silently ignored
+        kernels.wkv7_chunked(x, x, x, x, x, x, chunk_size=16, backend="interpret", blocks=BlockSizes(segments=2))
 
 
 def _vjp(fn, args, seed):
@@ -313,7 +316,7 @@ def test_embed_with_interpreted_kernels_matches_transformers(hf_model_dir):
     long = [list(rng.integers(0, 300, 531))]
     with record_segments() as chosen:
         out = emb.encode_ids(long, normalize_embeddings=False, batch_size=1)
-    assert max(chosen) > 1 and rel_err(out, hf_last_hidden(model, long)) < 1e-4
+    assert chosen and max(chosen) > 1 and rel_err(out, hf_last_hidden(model, long)) < 1e-4
 
 
 def test_runtime_is_static_and_checked():

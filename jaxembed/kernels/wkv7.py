@@ -113,4 +113,7 @@ def chunked(r, log_w, k, v, a, b, *, chunk_size: int, initial_state=None, blocks
     if blocks.chunk > ref.MAX_CHUNK:
         raise ValueError(f"BlockSizes.chunk = {blocks.chunk} exceeds {ref.MAX_CHUNK}, the largest chunk whose "
                          "factored decays stay inside float32's range")
+    if blocks.segments not in (None, 1):  # its segments would also carry the n x n transition diag(w) + a bᵀ
+        raise ValueError(f"the WKV7 kernel walks the whole sequence in one program per value block; "
+                         f"BlockSizes.segments must be None or 1, got {blocks.segments}")
     return _differentiable(chunk_size, blocks, bool(interpret))(r, log_w, k, v, a, b, state)
