@@ -92,7 +92,7 @@ def _per_head_decays(dt, A, dt_bias, *, dt_limit, L: int, T: int, segments: int)
     """dt [b, t, h] -> (dt, a_cum, a_to_end), each [b, T, h] float32, kept time-major like the
     in_proj output they come from (a [b, h, T] layout here would make XLA lay the whole in_proj
     output out feature-major and transpose every activation around the kernel), and the log decay
-    of each segment but the last [b, segments - 1, h]."""
+    of each segment but the last [b, segments - 1, h] (None for one segment)."""
     b, _, h = dt.shape
     # padding tokens have dt = 0: no decay, no input; the final state is that of the last real token
     dt = common.pad_axis(ref.discretize_dt(dt, dt_bias, dt_limit), 1, T)
@@ -100,7 +100,7 @@ def _per_head_decays(dt, A, dt_bias, *, dt_limit, L: int, T: int, segments: int)
     chunks = a.reshape(b, T // L, L, h)
     a_cum = jnp.cumsum(chunks, axis=2)
     a_to_end = lax.cumsum(chunks, axis=2, reverse=True) - chunks  # Σ over the rest of the chunk, no cancellation
-    segment_decay = a.reshape(b, segments, T // segments, h).sum(axis=2)[:, :-1]
+    segment_decay = a.reshape(b, segments, T // segments, h).sum(axis=2)[:, :-1] if segments > 1 else None
     return dt, a_cum.reshape(b, T, h), a_to_end.reshape(b, T, h), segment_decay
 
 
