@@ -109,6 +109,15 @@ def sequence_segments(blocks: BlockSizes, *, programs: int, n_chunks: int) -> in
     return segments
 
 
+def segment_layout(blocks: BlockSizes, *, programs: int, t: int) -> tuple[int, int, int]:
+    """(segments, chunks per segment, padded length T): t tokens padded to whole segments of whole
+    chunks of blocks.chunk."""
+    n_chunks = -(-t // blocks.chunk)
+    segments = sequence_segments(blocks, programs=programs, n_chunks=n_chunks)
+    chunks = -(-n_chunks // segments)
+    return segments, chunks, segments * chunks * blocks.chunk
+
+
 def padded(d: int) -> int:
     """Triton tiles are powers of two of at least 16: the size a feature dim is zero-padded to."""
     return max(MIN_DOT, 1 << (d - 1).bit_length())

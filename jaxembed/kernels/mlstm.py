@@ -103,10 +103,7 @@ def _forward(q, k, v, i, f, C0, n0, m0, *, eps, blocks, interpret):
     K, V = common.padded(dk), common.padded(dv)
     vb = blocks.value_block
     nvb = V // vb
-    n_chunks = -(-t // L)
-    segments = common.sequence_segments(blocks, programs=b * h * nvb, n_chunks=n_chunks)
-    chunks = -(-n_chunks // segments)  # per segment
-    T = segments * chunks * L
+    segments, chunks, T = common.segment_layout(blocks, programs=b * h * nvb, t=t)
     # padding tokens neither decay (log σ(f) = 0) nor write (i = PAD_I)
     ig = common.pad_axis(jnp.moveaxis(i.astype(F32), 1, 2), 2, T, ref.PAD_I)  # [b, h, T]
     logf = common.pad_axis(jnp.moveaxis(jax.nn.log_sigmoid(f.astype(F32)), 1, 2), 2, T)

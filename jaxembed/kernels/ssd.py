@@ -114,10 +114,7 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
     L, pb = blocks.chunk, blocks.value_block
     P, N = common.padded(p), common.padded(n)
     vb = P // pb  # value blocks per head
-    n_chunks = -(-t // L)
-    segments = common.sequence_segments(blocks, programs=b * h * vb, n_chunks=n_chunks)
-    chunks = -(-n_chunks // segments)  # per segment
-    T = segments * chunks * L
+    segments, chunks, T = common.segment_layout(blocks, programs=b * h * vb, t=t)
     dt, a_cum, a_to_end, segment_decay = _per_head_decays(dt, A, dt_bias, dt_limit=dt_limit, L=L, T=T,
                                                           segments=segments)
     x3, B3, C3 = (common.pad_axis(v, 1, T) for v in (x3, B3, C3))
