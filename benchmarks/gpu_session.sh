@@ -9,7 +9,7 @@
 #
 # Steps (in the order they matter):
 #   check      Pallas kernels compiled for real against their XLA references (benchmarks/kernels.py)
-#   segments   #19: SSD and mLSTM at batch 1 with the sequence split into 1..16 segments (the sweep behind
+#   segments   #19: SSD, mLSTM and WKV7 at batch 1 with the sequence split into 1..16 segments (the sweep behind
 #              kernels.common.sequence_segments; T = 4096 is the batch-1 vertical chunk)
 #   breakdown  #19: projection floor, full embed, GEMM/kernel/glue per family (benchmarks/gpu_breakdown.py)
 #   memory     #19: compiled temporaries per schedule at the models' own depth, from shapes (program_memory.py)
@@ -41,7 +41,7 @@ $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 for s in "$@"; do
     case $s in
         check) step check 240 $PY benchmarks/kernels.py --only check ;;
-        segments) step segments 300 $PY benchmarks/kernels.py --only sweep --families ssd mlstm \
+        segments) step segments 420 $PY benchmarks/kernels.py --only sweep --families ssd mlstm wkv7 \
             --sweep-lengths 4096 16384 --out "$OUT/segments" ;;
         breakdown) step breakdown 420 $PY benchmarks/gpu_breakdown.py --families mamba2,rwkv7,xlstm --layers 4 \
             --cases 1x32k,32x4k --json "$OUT/breakdown.json" ;;

@@ -222,8 +222,9 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-# (1, 1337) is 21 chunks of 64 at batch 1: long enough that SSD and mLSTM split the sequence into 4
-# segments (kernels.common.sequence_segments), so the segment-state kernel and the combine run compiled
+# (1, 1337) is 21 chunks of 64 at batch 1 (84 of WKV7's 16): long enough that every kernel splits the
+# sequence into segments (kernels.common.sequence_segments), so the segment-state kernels and the combine
+# run compiled
 CHECK_CASES = ((2, 37), (1, 300), (1, 1337))
 
 
@@ -333,7 +334,7 @@ def ops_table(rows, families, lengths, batches, peers, rate, bw, mem_bytes):
 SWEEP = {  # (chunk, value_block, num_warps, segments) candidates for the heuristic; segments None = auto
     "ssd": [(64, 32, 4, 1), (64, 64, 4, 1), (64, 64, 8, 1), (128, 32, 8, 1), (32, 64, 4, 1),
             (64, 64, 4, 2), (64, 64, 4, 4), (64, 64, 4, 8), (64, 64, 4, 16)],
-    "wkv7": [(16, 16, 4, None), (16, 32, 4, None), (16, 64, 4, None), (32, 32, 4, None), (32, 64, 8, None)],
+    "wkv7": [(16, 16, 4, 1), (16, 32, 4, 1), (16, 32, 4, 2), (16, 32, 4, 8), (16, 32, 4, 16)],
     "mlstm": [(64, 32, 8, 1), (64, 64, 8, 1), (128, 64, 8, 1), (32, 64, 4, 1), (64, 128, 8, 1), (32, 128, 8, 1),
               (64, 32, 8, 2), (64, 32, 8, 4), (64, 32, 8, 8), (64, 32, 8, 16)],
 }

@@ -235,19 +235,73 @@ def test_mlstm_split_into_sequence_segments_matches_the_recurrence(dtype):
             assert rel_err(got, want) < tol, (segments, rel_err(got, want))
 
 
-def test_batch_one_mlstm_lowers_with_segments_at_xlstm_shapes():
-    """xLSTM 7B's mLSTM (8 heads, k 256, v 512) at batch 1 x 4096, lowered for CUDA from shapes:
-    the segment-state kernel and the output kernel; at batch 4 the grid is large enough for one."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_wkv7_split_into_sequence_segments_matches_the_recurrence(dtype):
+    """WKV7 with the sequence in segments: each segment's own end state from zero and its n x n
+    transition (identity rows run through the segment with v = 0), then every segment entered with
+    S_in T + H, against the token-by-token recurrence from a random initial state. Two layouts: two
+    transition row blocks beside two value blocks (n 24, p 20 in blocks of 16), and a value block
+    wider than the key dim (n 16, p 64 in blocks of 32: the one transition block is half padding
+    rows). t = 75 leaves the last segments partly or wholly padding. WKV7 computes in float32 from
+    inputs in any dtype, so bfloat16 inputs are held to the float32 tolerance on the same values."""
+    rng = np.random.default_rng(next(_draws))
+    for b, t, h, n, p, value_block in ((1, 75, 2, 24, 20, 16), (2, 75, 1, 16, 64, 32)):
+        kk = _normal(rng, (b, t, h, n))
+        kk = kk / jnp.linalg.norm(kk, axis=-1, keepdims=True)
+        args = [a.astype(dtype) for a in (
+            _normal(rng, (b, t, h, n)), -math.exp(-0.5) * jax.nn.sigmoid(_normal(rng, (b, t, h, n), 3.0)),
+            _normal(rng, (b, t, h, n), 0.5), _normal(rng, (b, t, h, p)), -kk,
+            kk * jax.nn.sigmoid(_normal(rng, (b, t, h, n))))]
+        s0 = _normal(rng, (b, h, p, n))
+        y_ref, s_ref = wkv7.recurrent(*(a.astype(jnp.float32) for a in args), initial_state=s0)
+        for segments in (2, 4, 8):
+            y, s = kernels.wkv7_chunked(*args, chunk_size=16, initial_state=s0, backend="interpret",
+                                        blocks=BlockSizes(chunk=16, value_block=value_block, segments=segments))
+            assert bool(jnp.all(jnp.isfinite(y))), segments
+            assert rel_err(y, y_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5, (n, p, segments, rel_err(y, y_ref))
+
+
+@pytest.mark.parametrize("family", ["mlstm", "wkv7"])
+def test_batch_one_kernels_lower_with_segments_at_7b_shapes(family):
+    """xLSTM 7B's mLSTM (8 heads, k 256, v 512) and RWKV7 7.2B's WKV7 (64 heads of 64) at batch 1 x
+    4096, lowered for CUDA from shapes: the segment-state kernel and the output kernel; at batch 4
+    the grid is large enough for one."""
     from jaxembed.kernels import mlstm as k_mlstm
+    from jaxembed.kernels import wkv7 as k_wkv7
 
     S = jax.ShapeDtypeStruct
+    t = 4096
     for b, kernel_calls in ((1, 2), (4, 1)):
-        t, h, dk, dv = 4096, 8, 256, 512
-        args = (S((b, t, h, dk), jnp.bfloat16), S((b, t, h, dk), jnp.bfloat16), S((b, t, h, dv), jnp.bfloat16),
-                S((b, t, h), jnp.float32), S((b, t, h), jnp.float32))
-        text = jax.jit(lambda *a: k_mlstm.chunked(*a, chunk_size=64)).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert text.count("xla.gpu.triton") == kernel_calls and ("mlstm_segment_states" in text) == (b == 1)
+        if family == "mlstm":
+            h, dk, dv = 8, 256, 512
+            args = (S((b, t, h, dk), jnp.bfloat16), S((b, t, h, dk), jnp.bfloat16), S((b, t, h, dv), jnp.bfloat16),
+                    S((b, t, h), jnp.float32), S((b, t, h), jnp.float32))
+            fn = functools.partial(k_mlstm.chunked, chunk_size=64)
+        else:
+            args = (S((b, t, 64, 64), jnp.bfloat16),) * 6
+            fn = functools.partial(k_wkv7.chunked, chunk_size=16)
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("xla.gpu.triton") == kernel_calls
+        assert (f"{family}_segment_states" in text) == (b == 1)
+
+
+def test_wkv7_kernel_sums_log_decays_with_adds_not_dots():
+    """The WKV7 kernel's in-chunk sums of log decays (through t, before t, after t to the chunk end,
+    the whole chunk) are float32 adds. As products with 0/1 masks (the kernel until 2026-11-25) they
+    would run as TF32 on a GPU under jax's default matmul precision and round every log decay to a
+    10-bit mantissa, which the CPU cannot show; so no dot may appear, and the sums must match
+    float64 ones at float32 round-off."""
+    from jaxembed.kernels import wkv7 as k_wkv7
+
+    rng = np.random.default_rng(next(_draws))
+    lw = -math.exp(-0.5) * jax.nn.sigmoid(_normal(rng, (16, 48), 3.0))
+    jaxpr = jax.make_jaxpr(k_wkv7._log_decay_sums)(lw)
+    assert "dot_general" not in {eqn.primitive.name for eqn in jaxpr.eqns}, jaxpr
+    x = np.asarray(lw, np.float64)
+    g = np.cumsum(x, axis=0)
+    want = (g, g - x, g[-1] - g, g[-1])
+    for got, ref in zip(k_wkv7._log_decay_sums(lw), want, strict=True):
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=0, atol=16 * 2e-7 * np.abs(g).max())
 
 
 def test_sequence_segments_rule():
@@ -264,9 +318,6 @@ def test_sequence_segments_rule():
     assert sequence_segments(BlockSizes(segments=16), programs=4096, n_chunks=1) == 16  # asked for: kept
     with pytest.raises(ValueError, match="segments"):
         BlockSizes(segments=3)
-    x = jnp.zeros((1, 4, 1, 16))
-    with pytest.raises(ValueError, match="segments must be None or 1"):  # not silently ignored
-        kernels.wkv7_chunked(x, x, x, x, x, x, chunk_size=16, backend="interpret", blocks=BlockSizes(segments=2))
 
 
 def _vjp(fn, args, seed):

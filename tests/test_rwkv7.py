@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from conftest import TOLERANCE, rel_err
+from conftest import TOLERANCE, record_segments, rel_err
 from safetensors.torch import load_file, save_file
 
 import jaxembed
@@ -153,6 +153,20 @@ def test_parity_with_blinkdl_package(blinkdl_model):
     err = rel_err(logits, blinkdl_logits(state, seqs[2:3])[0])
     print(f"logits: relative error {err:.1e}")
     assert err < TOLERANCE["float32"]
+
+
+def test_interpreted_kernel_with_sequence_segments_matches_blinkdl(blinkdl_model):
+    """The model path through the WKV7 Pallas kernel (`kernels="interpret"`) on one sequence of 531
+    tokens: 34 kernel chunks for a grid of 4 programs, so the kernel walks the sequence in segments
+    (each segment's own end state and transition, then S_in T + H), against BlinkDL's package."""
+    path, state, _, _ = blinkdl_model
+    emb = jaxembed.load(path.parent, chunk_size=Q, kernels="interpret")
+    seqs = random_seqs(100, (531,), seed=3)
+    with record_segments() as chosen:
+        out = emb.encode_ids(seqs, normalize_embeddings=False, batch_size=1)
+    err = rel_err(out[0], blinkdl_last_hidden(state, seqs)[0])
+    print(f"segments {sorted(set(chosen))}: relative error {err:.1e}")
+    assert chosen and max(chosen) > 1 and err < TOLERANCE["float32"]
 
 
 def test_fla_layout_and_pth_file_give_the_same_embeddings(blinkdl_model, tmp_path):

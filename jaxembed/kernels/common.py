@@ -7,10 +7,11 @@ in one loop, so the state never leaves registers and no per-chunk intermediate (
 decay matrices) is written to memory. The loop over chunks is the inter-chunk recurrence (the
 `lax.scan` of `ops/`), run inside the kernel: on a GPU that is one launch instead of one per
 chunk, which matters when T / L is in the thousands. When that grid is too small to fill the GPU
-(batch 1), SSD and mLSTM split the sequence into segments walked by programs of their own: a first kernel
+(batch 1), the kernels split the sequence into segments walked by programs of their own: a first kernel
 computes each segment's own end state from zero in parallel, and every program of the second
 enters its segment with the initial state carried through the segments before it (a few
-multiply-adds of [value block, n] tiles), then walks its chunks as above.
+multiply-adds of [value block, n] tiles; WKV7 also carries each segment's n x n transition),
+then walks its chunks as above.
 
 The GPU lowering is Pallas' Triton backend (explicit `CompilerParams`), the one of jax 0.10-0.11
 that lowers `BlockSpec` kernels with dots, reductions and `fori_loop` on any NVIDIA GPU and runs
@@ -45,9 +46,9 @@ class BlockSizes:
                  mLSTM's v), whose columns evolve independently.
     num_warps, num_stages: Triton's warps per program and software-pipelining depth.
     segments:    how many stretches of the sequence are walked by programs of their own (a power
-                 of two; None: `sequence_segments` picks it from the grid). Kernels that support
-                 it (SSD, mLSTM) first compute each segment's own end state in a parallel pass, then
-                 start every segment from the combined state of those before it.
+                 of two; None: `sequence_segments` picks it from the grid). The kernels first
+                 compute each segment's own end state in a parallel pass, then start every
+                 segment from the combined state of those before it.
     """
 
     chunk: int = 64

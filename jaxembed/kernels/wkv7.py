@@ -12,7 +12,16 @@ The unit lower-triangular inverse is applied as the product (I + M)(I + M²)(I +
 for a strictly lower-triangular M of size L <= 2^k (M^L = 0): log2(L) pairs of matmuls instead
 of a row-by-row substitution. Rows of S evolve independently (the transition acts on the key
 side), which is what lets programs split the value dim. Everything is float32, like the
-reference; zero-padded key columns keep log w = 0 and never touch the real columns.
+reference; the in-chunk sums of log decays are float32 adds (no dot, which TF32 would round);
+zero-padded key columns keep log w = 0 and never touch the real columns.
+
+With `segments` > 1 (batch 1: too few programs for the GPU) the grid gains a segment axis. The
+state update is linear in S: over a segment, S_end = S_in T_seg + H_seg, with T_seg the product
+of the segment's transitions diag(w_t) + a_t b_tᵀ [n, n] and H_seg its end state from zero.
+`_segment_state_kernel` computes both for every segment but the last, in parallel, by running the
+state half of the chunk loop on more rows: the value rows from a zero state (H), and n rows that
+start as the identity with v = 0 (T, whose rows evolve like state rows with no input). Segment
+k's program enters with S_k = S_{k-1} T_{k-1} + H_{k-1} (S_0 the initial state).
 """
 
 from __future__ import annotations
@@ -28,37 +37,87 @@ from jaxembed.ops import wkv7 as ref
 F32 = jnp.float32
 
 
-def _kernel(r_ref, lw_ref, k_ref, v_ref, a_ref, b_ref, s0_ref, y_ref, s_ref, *, L, n_chunks):
-    inclusive, strict = common.causal_masks(L)
-    incl_f, strict_f = inclusive.astype(F32), strict.astype(F32)
-    after_f = jnp.transpose(strict_f)  # [t, s] = 1 where s > t
+def _log_decay_sums(lw):
+    """In-chunk sums of the log decays lw [l, n]: through t (g), before t, and after t to the chunk
+    end, and the whole chunk's. Adds (a cumsum), not products with 0/1 masks: a float32 dot runs as
+    TF32 on the GPU under jax's default precision, which would round every log decay to 10 bits."""
+    g = jnp.cumsum(lw, axis=0)
+    g_end = jnp.sum(lw, axis=0)  # [n]
+    return g, g - lw, g_end[None, :] - g, g_end
+
+
+def _through_chunk(S, lw, k, v, a, b, masks, L):
+    """The state S [pb, n] entering a chunk -> (U, g, B̂, K̂, the state leaving it)."""
+    _, strict = masks
+    g, g_prev, g_to_end, g_end = _log_decay_sums(lw)
+    to_end = jnp.exp(g_to_end)  # <= 1
+    a_dec = a * jnp.exp(g_prev)
+    inv = jnp.exp(-g)  # <= exp(0.61 L) (see ops.wkv7.MAX_CHUNK)
+    b_inv, k_inv = b * inv, k * inv
+    M_ab = jnp.where(strict, common.dot(a_dec, b_inv, trans_b=True), 0.0)
+    M_ak = jnp.where(strict, common.dot(a_dec, k_inv, trans_b=True), 0.0)
+    U = common.dot(a_dec, S, trans_b=True) + common.dot(M_ak, v)
+    steps = max(L - 1, 1).bit_length()
+    power = M_ab
+    for step in range(steps):  # U = Π_k (I + M^(2^k)) rhs
+        U = U + common.dot(power, U)
+        if step + 1 < steps:
+            power = common.dot(power, power)
+    S_next = S * jnp.exp(g_end)[None, :] + common.dot(U, b * to_end, trans_a=True) + common.dot(v, k * to_end,
+                                                                                                trans_a=True)
+    return U, g, b_inv, k_inv, S_next
+
+
+def _kernel(r_ref, lw_ref, k_ref, v_ref, a_ref, b_ref, s0_ref, *refs, L, chunks, segments):
+    """Segment `program_id(3)` of the sequence (all of it when segments == 1): `chunks` chunks from
+    the initial state carried through the segments before it by their transitions and own end
+    states (`_segment_state_kernel`)."""
+    if segments > 1:
+        seg_T_ref, seg_H_ref, y_ref, s_ref = refs
+    else:
+        y_ref, s_ref = refs
+    masks = common.causal_masks(L)
+    inclusive = masks[0]
 
     def chunk(c, S):  # S [pb, n]
         t = pl.ds(pl.multiple_of(c * L, L), L)
         r, lw, k, a, b = (ref_[t, :] for ref_ in (r_ref, lw_ref, k_ref, a_ref, b_ref))  # [l, n]
         v = v_ref[t, :]  # [l, pb]
-        g, g_prev, g_to_end = common.dot(incl_f, lw), common.dot(strict_f, lw), common.dot(after_f, lw)
-        g_end = jnp.sum(lw, axis=0)  # [n]
-        a_dec, r_dec = a * jnp.exp(g_prev), r * jnp.exp(g)
-        inv = jnp.exp(-g)  # <= exp(0.61 L) (see ops.wkv7.MAX_CHUNK)
-        b_inv, k_inv = b * inv, k * inv
-        to_end = jnp.exp(g_to_end)
-        M_ab = jnp.where(strict, common.dot(a_dec, b_inv, trans_b=True), 0.0)
-        M_ak = jnp.where(strict, common.dot(a_dec, k_inv, trans_b=True), 0.0)
+        U, g, b_inv, k_inv, S_next = _through_chunk(S, lw, k, v, a, b, masks, L)
+        r_dec = r * jnp.exp(g)
         M_rb = jnp.where(inclusive, common.dot(r_dec, b_inv, trans_b=True), 0.0)
         M_rk = jnp.where(inclusive, common.dot(r_dec, k_inv, trans_b=True), 0.0)
-        U = common.dot(a_dec, S, trans_b=True) + common.dot(M_ak, v)
-        power = M_ab
-        for step in range(max(L - 1, 1).bit_length()):  # U = Π_k (I + M^(2^k)) rhs
-            U = U + common.dot(power, U)
-            if step + 1 < max(L - 1, 1).bit_length():
-                power = common.dot(power, power)
-        y = common.dot(r_dec, S, trans_b=True) + common.dot(M_rb, U) + common.dot(M_rk, v)
-        y_ref[t, :] = y
-        return S * jnp.exp(g_end)[None, :] + common.dot(U, b * to_end, trans_a=True) + common.dot(v, k * to_end,
-                                                                                                  trans_a=True)
+        y_ref[t, :] = common.dot(r_dec, S, trans_b=True) + common.dot(M_rb, U) + common.dot(M_rk, v)
+        return S_next
 
-    s_ref[...] = lax.fori_loop(0, n_chunks, chunk, s0_ref[...])
+    S, first = s0_ref[...], 0
+    if segments > 1:
+        segment = pl.program_id(3)
+        S = lax.fori_loop(0, segment, lambda j, S: common.dot(S, seg_T_ref[j]) + seg_H_ref[j], S)
+        first = segment * chunks
+    s_ref[...] = lax.fori_loop(first, first + chunks, chunk, S)
+
+
+def _segment_state_kernel(lw_ref, k_ref, v_ref, a_ref, b_ref, s_ref, *, L, chunks, value_blocks):
+    """Rows of segment `program_id(3)`'s [H; T] (see the module docstring): row blocks below
+    `value_blocks` are value rows entered with a zero state, the others rows of the identity
+    entered with v = 0 (rows past n stay zero)."""
+    masks = common.causal_masks(L)
+    block = pl.program_id(2)
+    transition = block >= value_blocks
+    pb, n = s_ref.shape
+    rows = lax.broadcasted_iota(jnp.int32, (pb, n), 0) + (block - value_blocks) * pb
+    cols = lax.broadcasted_iota(jnp.int32, (pb, n), 1)
+    S0 = jnp.where(jnp.logical_and(transition, rows == cols), 1.0, 0.0).astype(F32)
+
+    def chunk(c, S):
+        t = pl.ds(pl.multiple_of(c * L, L), L)
+        lw, k, a, b = (ref_[t, :] for ref_ in (lw_ref, k_ref, a_ref, b_ref))
+        v = v_ref[t, :]
+        return _through_chunk(S, lw, k, jnp.where(transition, jnp.zeros_like(v), v), a, b, masks, L)[-1]
+
+    first = pl.program_id(3) * chunks
+    s_ref[...] = lax.fori_loop(first, first + chunks, chunk, S0)
 
 
 def _forward(r, log_w, k, v, a, b, state, *, blocks, interpret):
@@ -67,25 +126,43 @@ def _forward(r, log_w, k, v, a, b, state, *, blocks, interpret):
     L = blocks.chunk
     N, P = common.padded(n), common.padded(p)
     pb = blocks.value_block
-    T = t + (-t % L)
+    vb = P // pb
+    segments, chunks, T = common.segment_layout(blocks, programs=bsz * h * vb, t=t)
     # padding steps are identities: log w = 0 and r = k = a = b = v = 0
     key_side = [common.pad_axis(common.pad_axis(x.astype(F32), 1, T), 3, N) for x in (r, log_w, k, a, b)]
     vp = common.pad_axis(common.pad_axis(v.astype(F32), 1, T), 3, P)
     s0 = common.pad_axis(common.pad_axis(state, 2, P), 3, N)
-
-    keys = pl.BlockSpec((None, T, None, N), lambda i, j, m: (i, 0, j, 0))
-    values = pl.BlockSpec((None, T, None, pb), lambda i, j, m: (i, 0, j, m))
-    st = pl.BlockSpec((None, None, pb, N), lambda i, j, m: (i, j, m, 0))
     rp, lwp, kp, ap, bp = key_side
-    y, final = common.call(
-        lambda *refs: _kernel(*refs, L=L, n_chunks=T // L),
-        grid=(bsz, h, P // pb),
-        in_specs=[keys, keys, keys, values, keys, keys, st],
-        out_specs=[values, st],
-        out_shape=[jax.ShapeDtypeStruct((bsz, T, h, P), F32), jax.ShapeDtypeStruct((bsz, h, P, N), F32)],
+
+    keys = pl.BlockSpec((None, T, None, N), lambda i, j, z, s: (i, 0, j, 0))
+    values = pl.BlockSpec((None, T, None, pb), lambda i, j, z, s: (i, 0, j, z))
+    st = pl.BlockSpec((None, None, pb, N), lambda i, j, z, s: (i, j, z, 0))
+    extra_specs, extra_args = [], []
+    if segments > 1:
+        transition_blocks = -(-N // pb)
+        rows = P + transition_blocks * pb  # [H; T] per segment, T's rows padded to whole blocks
+        # transition row blocks read (and zero) the last value block: any in-range block would do
+        transition_values = pl.BlockSpec((None, T, None, pb), lambda i, j, z, s: (i, 0, j, jnp.minimum(z, vb - 1)))
+        own = common.call(
+            lambda *refs: _segment_state_kernel(*refs, L=L, chunks=chunks, value_blocks=vb),
+            grid=(bsz, h, vb + transition_blocks, segments - 1),
+            in_specs=[keys, keys, transition_values, keys, keys],
+            out_specs=pl.BlockSpec((None, None, None, pb, N), lambda i, j, z, s: (i, j, s, z, 0)),
+            out_shape=jax.ShapeDtypeStruct((bsz, h, segments - 1, rows, N), F32), blocks=blocks, interpret=interpret,
+            name="wkv7_segment_states",
+        )(lwp, kp, vp, ap, bp)
+        extra_specs = [pl.BlockSpec((None, None, segments - 1, N, N), lambda i, j, z, s: (i, j, 0, 0, 0)),
+                       pl.BlockSpec((None, None, segments - 1, pb, N), lambda i, j, z, s: (i, j, 0, z, 0))]
+        extra_args = [own[:, :, :, P:P + N], own]  # T (a small copy), and H read in place (rows below P)
+    y, ends = common.call(
+        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments),
+        grid=(bsz, h, vb, segments),
+        in_specs=[keys, keys, keys, values, keys, keys, st, *extra_specs],
+        out_specs=[values, pl.BlockSpec((None, None, None, pb, N), lambda i, j, z, s: (i, j, s, z, 0))],
+        out_shape=[jax.ShapeDtypeStruct((bsz, T, h, P), F32), jax.ShapeDtypeStruct((bsz, h, segments, P, N), F32)],
         blocks=blocks, interpret=interpret, name="wkv7_chunked",
-    )(rp, lwp, kp, vp, ap, bp, s0)
-    return y[:, :t, :, :p], final[:, :, :p, :n]
+    )(rp, lwp, kp, vp, ap, bp, s0, *extra_args)
+    return y[:, :t, :, :p], ends[:, :, -1, :p, :n]
 
 
 @common.cached
@@ -113,7 +190,4 @@ def chunked(r, log_w, k, v, a, b, *, chunk_size: int, initial_state=None, blocks
     if blocks.chunk > ref.MAX_CHUNK:
         raise ValueError(f"BlockSizes.chunk = {blocks.chunk} exceeds {ref.MAX_CHUNK}, the largest chunk whose "
                          "factored decays stay inside float32's range")
-    if blocks.segments not in (None, 1):  # its segments would also carry the n x n transition diag(w) + a bᵀ
-        raise ValueError(f"the WKV7 kernel walks the whole sequence in one program per value block; "
-                         f"BlockSizes.segments must be None or 1, got {blocks.segments}")
     return _differentiable(chunk_size, blocks, bool(interpret))(r, log_w, k, v, a, b, state)
