@@ -1,4 +1,4 @@
-"""Chunked WKV7 (RWKV7) as one Pallas kernel; reference: `jaxembed.ops.wkv7.chunked` (same signature).
+"""Chunked WKV7 (RWKV7) as a Pallas kernel (two at small batch, see below); reference: `jaxembed.ops.wkv7.chunked`.
 
 One program per (batch row b, head h, block of value rows) walks the chunks of L tokens carrying
 the state S [p, n] in registers. With the state S entering a chunk, g the in-chunk cumulative
@@ -43,7 +43,8 @@ def _log_decay_sums(lw):
     TF32 on the GPU under jax's default precision, which would round every log decay to 10 bits."""
     g = jnp.cumsum(lw, axis=0)
     g_end = jnp.sum(lw, axis=0)  # [n]
-    return g, g - lw, g_end[None, :] - g, g_end
+    # <= 0 exactly (the sum and the scan add in different orders: their difference can be +1 ulp)
+    return g, g - lw, jnp.minimum(g_end[None, :] - g, 0.0), g_end
 
 
 def _through_chunk(S, lw, k, v, a, b, masks, L):
