@@ -17,6 +17,7 @@ from jaxembed.config import ConfigError
 from jaxembed.convert import ConversionError, convert, read_checkpoint
 from jaxembed.models import rwkv7
 from jaxembed.ops import wkv7
+from jaxembed.runtime import Runtime
 from jaxembed.testing.rwkv7 import (
     blinkdl_last_hidden,
     blinkdl_logits,
@@ -153,6 +154,31 @@ def test_parity_with_blinkdl_package(blinkdl_model):
     err = rel_err(logits, blinkdl_logits(state, seqs[2:3])[0])
     print(f"logits: relative error {err:.1e}")
     assert err < TOLERANCE["float32"]
+
+
+def test_bfloat16_close_to_float32_reference(blinkdl_model):
+    """A bfloat16 model against BlinkDL's float32 outputs: bf16 weights (the decay bias w0 float32),
+    GEMMs that write bf16 as BlinkDL's and fla's bf16 modules do, except the decay LoRA's second
+    matmul, which writes float32 like the log decays, the WKV state and the residual stream."""
+    path, _, seqs, ref = blinkdl_model
+    emb = jaxembed.load(path.parent, chunk_size=Q, dtype="bfloat16")
+    layers = emb.params["layers"]
+    assert layers["receptance"].dtype == np.dtype("bfloat16") and layers["w0"].dtype == np.dtype("float32")
+    for v in (None, 2 * Q):
+        out = emb.encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=v, batch_size=len(seqs))
+        errs = [rel_err(o, r) for o, r in zip(out, ref, strict=True)]
+        print(f"bf16 V={v}: relative error per length", {n: f"{e:.1e}" for n, e in zip(LENGTHS, errs, strict=True)})
+        assert max(errs) < TOLERANCE["bfloat16"], (v, errs)
+    # what the GEMMs (the dots with bf16 operands) write, in one layer
+    cfg, b, t = emb.config, 1, 5
+    one_layer = jax.tree.map(lambda x: x[0], layers)
+    x = jax.numpy.zeros((b, t, cfg.d_model), jax.numpy.float32)
+    state = rwkv7.init_state(cfg, b)
+    jaxpr = jax.make_jaxpr(lambda p, x: rwkv7.layer(cfg, p, rwkv7.Stream(x, x), state, index=1,
+                                                    runtime=Runtime(chunk_size=Q, kernels="xla")))(one_layer, x)
+    gemm_out = [str(eqn.outvars[0].aval.dtype) for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"
+                and all(v.aval.dtype == jax.numpy.bfloat16 for v in eqn.invars)]
+    assert len(gemm_out) == len(rwkv7.LINEAR_PARAMS) and gemm_out.count("float32") == 1, gemm_out
 
 
 def test_interpreted_kernel_with_sequence_segments_matches_blinkdl(blinkdl_model):

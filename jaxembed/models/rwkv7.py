@@ -232,9 +232,11 @@ def layer_norm(x, weight, bias, eps):
     return x * weight.astype(F32) + bias.astype(F32)
 
 
-def _linear(x, w):
-    """x @ w with the operands in w's dtype, float32 out; w may be a LoRA/NF4 weight."""
-    return weights.linear(x, w, w.dtype)
+def _linear(x, w, out_dtype=None):
+    """x @ w with the operands in w's dtype, accumulated in float32, out in out_dtype (default: w's
+    dtype, so a bfloat16 model's GEMMs write bfloat16, as BlinkDL's and fla's bf16 modules do); w
+    may be a LoRA/NF4 weight."""
+    return weights.linear(x, w, w.dtype, out_dtype=w.dtype if out_dtype is None else out_dtype)
 
 
 def _token_shift(u, prev):
@@ -266,7 +268,7 @@ def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, r
     k = _linear(mixed("x_k"), p["key"])
     xv = mixed("x_v")
     v = _linear(xv, p["value"])
-    w_lora = _linear(jnp.tanh(_linear(mixed("x_w"), p["w1"])), p["w2"])
+    w_lora = _linear(jnp.tanh(_linear(mixed("x_w"), p["w1"])), p["w2"], F32)  # the decay's: float32
     a = jax.nn.sigmoid(p["a0"].astype(F32) + _linear(_linear(mixed("x_a"), p["a1"]), p["a2"]))
     g = _linear(jax.nn.sigmoid(_linear(mixed("x_g"), p["g1"])), p["g2"])
 
@@ -279,8 +281,12 @@ def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, r
     # log w in [-exp(-1/2), 0], the range ops/wkv7.chunked's exponent bound relies on
     log_w = -math.exp(-0.5) * jax.nn.sigmoid(p["w0"].astype(F32) + w_lora)
 
+    # the operator computes in float32 whatever its inputs' dtype: r, k, v, a and b go in the
+    # activation dtype (half the bytes in bf16, as BlinkDL's and fla's kernels take them), log w in float32
+    act = r.dtype
     rh, kh, vh, ah = (_heads(x, cfg) for x in (r, k, v, a))
-    y, wkv_state = kernels.wkv7_chunked(rh, _heads(log_w, cfg), kh, vh, -kk, kk * ah, chunk_size=runtime.chunk_size,
+    y, wkv_state = kernels.wkv7_chunked(rh, _heads(log_w, cfg), kh.astype(act), vh.astype(act), (-kk).astype(act),
+                                        (kk * ah).astype(act), chunk_size=runtime.chunk_size,
                                         backend=runtime.kernels, initial_state=state.wkv)  # [b, t, h, n]
     # GroupNorm, one group per head (biased variance), then the per-channel affine
     mean = jnp.mean(y, axis=-1, keepdims=True)
