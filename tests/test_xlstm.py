@@ -192,6 +192,21 @@ def test_encode_ids_matches_transformers(name, tmp_path):
         assert rel_err(logits, ref_logits) < TOL
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_bfloat16_close_to_float32_reference(name, tmp_path):
+    """A bfloat16 model (bf16 weights and GEMM outputs; gates, the mLSTM state and the residual stream
+    float32) against transformers' float32 model."""
+    model = make_hf_xlstm(seed=sum(map(ord, name)), **CASES[name])
+    model.save_pretrained(tmp_path)
+    emb = jaxembed.load(tmp_path, dtype="bfloat16")
+    assert {leaf.dtype for leaf in jax.tree.leaves(emb.params)} >= {np.dtype("bfloat16")}
+    seqs = random_seqs(model.config.vocab_size, LENGTHS, seed=1)
+    out = emb.encode_ids(seqs, normalize_embeddings=False, batch_size=len(seqs))
+    errs = [rel_err(o, r) for o, r in zip(out, hf_xlstm_last_hidden(model, seqs), strict=True)]
+    print(f"{name} bf16: relative error per length", [f"{e:.1e}" for e in errs])
+    assert max(errs) < TOLERANCE["bfloat16"], errs
+
+
 def test_interpreted_kernel_with_sequence_segments_matches_transformers(tmp_path):
     """The model path through the mLSTM Pallas kernel (`kernels="interpret"`) on one sequence of
     531 tokens: 9 or more kernel chunks for a grid of a few programs, so the kernel walks the
