@@ -41,7 +41,7 @@ $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 for s in "$@"; do
     case $s in
         check) step check 240 $PY benchmarks/kernels.py --only check ;;
-        segments) step segments 420 $PY benchmarks/kernels.py --only sweep --families ssd mlstm wkv7 \
+        segments) step segments 340 $PY benchmarks/kernels.py --only sweep --families ssd mlstm wkv7 \
             --sweep-lengths 4096 16384 --out "$OUT/segments" ;;
         breakdown) step breakdown 420 $PY benchmarks/gpu_breakdown.py --families mamba2,rwkv7,xlstm --layers 4 \
             --cases 1x32k,32x4k --json "$OUT/breakdown.json" ;;
