@@ -257,7 +257,7 @@ def l2_normalize(x, eps=1e-12):
 def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, runtime: Runtime):
     """RWKV7's time mix on the normalised input u [b, t, d].
 
-    Returns (out [b, t, d] float32, shift state [b, d], WKV state [b, h, n, n], v_first [b, t, d]).
+    Returns (out [b, t, d] in the weights' dtype, shift state [b, d], WKV state [b, h, n, n], v_first [b, t, d]).
     """
     delta, shift = _token_shift(u, state.shift_att)
 
