@@ -8,11 +8,13 @@ temporaries (GiB), per in-flight token (KB; b x t horizontally, b x V vertically
 and the layer states (one copy: the least a vertical schedule can hold).
 
     python benchmarks/program_memory.py [--families mamba2,rwkv7,xlstm] [--layers model]
-        [--cases 1x128k,32x4k] [--vertical 256,512,1024,2048,4096] [--dtype bfloat16] [--kernels auto]
+        [--cases 1x128k,32x4k] [--vertical 256,512,1024,2048,4096] [--dtype bfloat16] [--kernels auto] [--target h100]
 
 The numbers are the compiling backend's: on a GPU the Pallas kernels' program, on a CPU the XLA
-path's (its intra-chunk matrices are materialised). Use `--dtype float32` on a CPU: XLA:CPU
-converts bf16 weights to float32 once, outside the layer loop, and counts the copy as temporaries.
+path's (its intra-chunk matrices are materialised). `--target h100` (or h200) compiles the GPU
+program on a machine without one (benchmarks/_cuda_target.py; needs `pip install "jax[cuda12]"`).
+Use `--dtype float32` on a CPU's own program: XLA:CPU converts bf16 weights to float32 once,
+outside the layer loop, and counts the copy as temporaries.
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ from gpu_breakdown import CONFIGS  # noqa: E402  (the 7B configs, one list for b
 GiB = 2.0**30
 
 
-def param_specs(cfg, dtype: str):
+def param_specs(cfg, dtype: str, sharding=None):
     """The params as shapes in `dtype` (decays float32, as `Embedder` keeps them)."""
     family = models.family(cfg)
     shapes = jax.eval_shape(lambda: family.init_params(cfg, jax.random.key(0)))
     return jax.tree_util.tree_map_with_path(
-        lambda path, a: jax.ShapeDtypeStruct(a.shape, models.param_dtype(family, str(path[-1].key), a.dtype, dtype)),
+        lambda path, a: jax.ShapeDtypeStruct(a.shape, models.param_dtype(family, str(path[-1].key), a.dtype, dtype),
+                                             sharding=sharding),
         shapes)
 
 
@@ -54,9 +57,9 @@ def nbytes(tree) -> int:
     return sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
-def temp_bytes(cfg, params, batch: int, length: int, V: int | None, kernels: str) -> int:
-    ids = jax.ShapeDtypeStruct((batch, length), jnp.int32)
-    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+def temp_bytes(cfg, params, batch: int, length: int, V: int | None, kernels: str, sharding=None) -> int:
+    ids = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=sharding)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sharding)
     compiled = jax.jit(lambda p, i, n: embed(p, cfg, i, n, vertical_chunk_size=V, kernels=kernels)
                        ).lower(params, ids, lengths).compile()
     return compiled.memory_analysis().temp_size_in_bytes
@@ -70,9 +73,18 @@ def main(argv=None) -> int:
     ap.add_argument("--vertical", default="256,512,1024,2048,4096", help="vertical chunk sizes V (< length)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", default="auto")
+    ap.add_argument("--target", default=None, choices=["h100", "h200"],
+                    help="compile for this GPU without one (deviceless; the Pallas kernels' program)")
     args = ap.parse_args(argv)
-    device = jax.devices()[0]
-    print(f"device: {device.device_kind}; jax {jax.__version__}; {args.dtype}; kernels {args.kernels}; "
+    sharding = None
+    if args.target:
+        import _cuda_target
+
+        _cuda_target.setup()  # before the first backend: jax's platform is read then
+        sharding = _cuda_target.sharding(args.target)
+        args.kernels = "pallas"
+    device = args.target or jax.devices()[0].device_kind
+    print(f"device: {device}; jax {jax.__version__}; {args.dtype}; kernels {args.kernels}; "
           f"{time.strftime('%Y-%m-%d')}", flush=True)
     header = ["family", "layers", "b x t", "schedule", "temps GiB", "KB/token", "weights GiB", "states GiB",
               "compile s"]
@@ -82,7 +94,7 @@ def main(argv=None) -> int:
         for item in args.layers.split(","):
             n_layers = full.n_layers if item == "model" else int(item)
             cfg = dataclasses.replace(full, n_layers=n_layers)
-            params = param_specs(cfg, args.dtype)
+            params = param_specs(cfg, args.dtype, sharding)
             for case in args.cases.split(","):
                 batch, length = (measure.parse_length(x) for x in case.lower().split("x"))
                 states = nbytes(jax.eval_shape(functools.partial(models.family(cfg).init_state, cfg, batch))) * n_layers
@@ -90,7 +102,7 @@ def main(argv=None) -> int:
                 for V in schedules:
                     t0 = time.perf_counter()
                     try:
-                        temps = temp_bytes(cfg, params, batch, length, V, args.kernels)
+                        temps = temp_bytes(cfg, params, batch, length, V, args.kernels, sharding)
                     except Exception as err:  # one program that does not compile does not hide the others
                         print(f"{family} L={n_layers} {case} V={V}: {type(err).__name__}: {str(err)[:200]}")
                         continue

@@ -144,11 +144,14 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
         grid=(b, h, vb, segments),
         in_specs=[x_spec, per_head, per_head, per_head, B_spec, C_spec,
                   pl.BlockSpec((None, pb), lambda i, j, k, s: (j, k)), st, *extra_specs],
-        out_specs=[pl.BlockSpec((None, T, None, pb), lambda i, j, k, s: (i, 0, j, k)), seg_st],
-        out_shape=[jax.ShapeDtypeStruct((b, T, h, P), x3.dtype), jax.ShapeDtypeStruct((b, h, segments, P, N), F32)],
+        # y time-major with the heads as column blocks [b, T, h*P], the layout of the gated norm that
+        # reads it: written [b, T, h, P], XLA converted it to float32 in a pass of its own before the
+        # norm (1.5 GB per Codestral layer at 32k tokens; benchmarks/gpu_program.py)
+        out_specs=[pl.BlockSpec((None, T, pb), lambda i, j, k, s: (i, 0, j * vb + k)), seg_st],
+        out_shape=[jax.ShapeDtypeStruct((b, T, h * P), x3.dtype), jax.ShapeDtypeStruct((b, h, segments, P, N), F32)],
         blocks=blocks, interpret=interpret, name="ssd_chunked",
     )(x3, dt, a_cum, a_to_end, B3, C3, Dp, s0, *extra_args)
-    return y[:, :t, :, :p], ends[:, :, -1, :p, :n]
+    return y.reshape(b, T, h, P)[:, :t, :, :p], ends[:, :, -1, :p, :n]
 
 
 def _forward(x, dt, A, B, C, D, dt_bias, state, *, dt_limit, blocks, interpret):

@@ -249,8 +249,10 @@ def causal_conv(xbc, conv_state, weight, bias, out_dtype=F32):
     return silu(out).astype(out_dtype), new_state
 
 
-def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, runtime: Runtime):
-    """The Mamba2 mixer on normalised input u [b, t, d]. Returns (out [b, t, d] in u's dtype, new state).
+def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, runtime: Runtime, out_dtype=None):
+    """The Mamba2 mixer on normalised input u [b, t, d]. Returns (out [b, t, d] in out_dtype, default
+    u's dtype, new state). `layer` asks for the residual's dtype: out_proj then writes what the
+    residual add needs, and the add becomes the GEMM's epilogue (cuBLAS beta=1), not a pass of its own.
 
     Activations between the ops are in u's dtype, as in mamba_ssm's bfloat16 modules (the
     projections, the conv and the SSD output are bfloat16 there too); every op computes in
@@ -271,7 +273,7 @@ def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, runtime: Runtime):
     # grouped gated RMSNorm, gate before norm (mamba_ssm's norm_before_gate=False)
     y = y.reshape(b, t, e).astype(F32) * silu(z.astype(F32))
     y = rms_norm(y, p["mixer_norm"], cfg.norm_eps, group_size=e // cfg.n_groups)
-    out = _linear(y.astype(u.dtype), p["out_proj"], p.get("out_proj_bias"), out_dtype=u.dtype)
+    out = _linear(y.astype(u.dtype), p["out_proj"], p.get("out_proj_bias"), out_dtype=out_dtype or u.dtype)
     return out, State(conv_state, ssm_state)
 
 
@@ -279,8 +281,8 @@ def layer(cfg: Mamba2Config, p: dict, x, state: State, *, runtime: Runtime, inde
     """One residual block: x + mixer(norm(x)). x [b, t, d] is the residual stream."""
     dtype = p["in_proj"].dtype
     u = rms_norm(x, p["norm"], cfg.norm_eps).astype(dtype)
-    out, state = mixer(cfg, p, u, state, runtime=runtime)
     residual_dtype = F32 if cfg.residual_in_fp32 else dtype
+    out, state = mixer(cfg, p, u, state, runtime=runtime, out_dtype=residual_dtype)
     return (x.astype(residual_dtype) + out.astype(residual_dtype)).astype(residual_dtype), state
 
 

@@ -257,7 +257,7 @@ def l2_normalize(x, eps=1e-12):
 def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, runtime: Runtime):
     """RWKV7's time mix on the normalised input u [b, t, d].
 
-    Returns (out [b, t, d] in the weights' dtype, shift state [b, d], WKV state [b, h, n, n], v_first [b, t, d]).
+    Returns (out [b, t, d] float32, shift state [b, d], WKV state [b, h, n, n], v_first [b, t, d]).
     """
     delta, shift = _token_shift(u, state.shift_att)
 
@@ -296,14 +296,16 @@ def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, r
     # the "bonus": the current token's own value, weighted by r·(k ∘ r_k) per head
     bonus = jnp.sum(rh * kh * p["r_k"].astype(F32), axis=-1, keepdims=True) * vh
     y = y + bonus.reshape(u.shape)
-    return _linear(y * g, p["output"]), shift, wkv_state, v_first
+    # the GEMMs that feed the residual write float32, its dtype: the add becomes their epilogue
+    # (cuBLAS beta=1) instead of a pass of its own over the residual
+    return _linear(y * g, p["output"], F32), shift, wkv_state, v_first
 
 
 def channel_mix(p: dict, u, prev):
-    """RWKV7's channel mix (squared-ReLU MLP on a token-shifted input). Returns (out [b, t, d], shift state)."""
+    """RWKV7's channel mix (squared-ReLU MLP on a token-shifted input). Returns (out [b, t, d] float32, shift state)."""
     delta, shift = _token_shift(u, prev)
     k = jax.nn.relu(_linear(u + delta * p["ffn_x_k"].astype(F32), p["ffn_key"])) ** 2
-    return _linear(k, p["ffn_value"]), shift
+    return _linear(k, p["ffn_value"], F32), shift
 
 
 def layer(cfg: RWKV7Config, p: dict, stream: Stream, state: State, *, runtime: Runtime, index):

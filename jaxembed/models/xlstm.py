@@ -255,7 +255,7 @@ def _linear(x, w, b=None, out_dtype=F32):
 
 
 def mlstm_mixer(cfg: XLSTMConfig, p: dict, u, state: State, *, runtime: Runtime):
-    """The mLSTM layer on normalised input u [b, t, d]. Returns (out [b, t, d] in u's dtype, new state)."""
+    """The mLSTM layer on normalised input u [b, t, d]. Returns (out [b, t, d] float32, new state)."""
     b, t, _ = u.shape
     h = cfg.n_heads
     # q, k, v and the FFN's activations in the activation dtype straight out of their GEMMs, as in
@@ -270,14 +270,16 @@ def mlstm_mixer(cfg: XLSTMConfig, p: dict, u, state: State, *, runtime: Runtime)
     y, state = kernels.mlstm_chunked(q, k, v, i, f, chunk_size=runtime.chunk_size, backend=runtime.kernels,
                                      initial_state=state, eps=cfg.eps)
     y = jax.nn.sigmoid(o) * multihead_layer_norm(y, p["multihead_norm"], p.get("multihead_norm_bias"), cfg.norm_eps)
-    return _linear(y.astype(act), p["out_proj"], p.get("out_proj_bias"), act), state
+    # float32 out, as the residual it is added to: the add becomes the GEMM's epilogue (cuBLAS beta=1)
+    # instead of a pass of its own over the residual
+    return _linear(y.astype(act), p["out_proj"], p.get("out_proj_bias")), state
 
 
 def feed_forward(p: dict, u):
-    """Gated FFN: (silu(u W_gate) * u W_up) W_down.  [b, t, d] -> [b, t, d] in u's dtype"""
+    """Gated FFN: (silu(u W_gate) * u W_up) W_down.  [b, t, d] -> [b, t, d] float32 (the residual's dtype)"""
     gate = _linear(u, p["ffn_gate"], p.get("ffn_gate_bias"), u.dtype).astype(F32)
     up = _linear(u, p["ffn_up"], p.get("ffn_up_bias"), u.dtype).astype(F32)
-    return _linear((jax.nn.silu(gate) * up).astype(u.dtype), p["ffn_down"], p.get("ffn_down_bias"), u.dtype)
+    return _linear((jax.nn.silu(gate) * up).astype(u.dtype), p["ffn_down"], p.get("ffn_down_bias"))
 
 
 def layer(cfg: XLSTMConfig, p: dict, x, state: State, *, runtime: Runtime, index=None):
@@ -285,9 +287,9 @@ def layer(cfg: XLSTMConfig, p: dict, x, state: State, *, runtime: Runtime, index
     dtype = p["q"].dtype
     u = rms_norm(x, p["norm_mlstm"], p.get("norm_mlstm_bias"), cfg.norm_eps).astype(dtype)
     out, state = mlstm_mixer(cfg, p, u, state, runtime=runtime)
-    x = x + out.astype(F32)
+    x = x + out
     u = rms_norm(x, p["norm_ffn"], p.get("norm_ffn_bias"), cfg.norm_eps).astype(dtype)
-    return x + feed_forward(p, u).astype(F32), state
+    return x + feed_forward(p, u), state
 
 
 def embed_tokens(cfg: XLSTMConfig, params: dict, ids):

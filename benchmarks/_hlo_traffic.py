@@ -1,0 +1,185 @@
+"""HBM traffic of a compiled XLA GPU program, read from its optimised HLO text (no jax needed).
+
+Every launch outside the free ops (parameters, tuples, bitcasts, the loops themselves) is one
+kernel: it reads its operands and writes its result. Its bytes are counted once per run of the
+computation it sits in, that is times the known trip counts of the while loops around it, and
+summed by kind: gemm (cuBLAS or a Triton GEMM fusion), kernel (a Pallas kernel), copy (a weight
+slice copied out of the stacked layers: XLA's dynamic_slice_fusion) and glue (every other fusion).
+Two refinements keep it from counting what is not moved: a fused parameter that is read only
+through slices counts as those slices, and a dynamic-update-slice result writes its update in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
+SHAPE = re.compile(r"\b(" + "|".join(ITEMSIZE) + r")\[([\d,]*)\]")
+INSTRUCTION = re.compile(r"^(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z\-]*)\((.*?)\)(, .*)?$")
+FREE_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional",
+            "partition-id", "replica-id", "after-all"}
+SLICING_OPS = {"slice", "dynamic-slice"}
+
+
+def shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in SHAPE.findall(text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * ITEMSIZE[dtype]
+    return total
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    shape: str
+    op: str
+    args: str  # the text between the op's parentheses
+    attrs: str
+
+    @property
+    def operands(self) -> list[str]:
+        return re.findall(r"%([\w.\-]+)", self.args)
+
+
+def computations(hlo: str) -> dict[str, list[Instruction]]:
+    """Optimised HLO text -> {computation name: its instructions}."""
+    out, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) \(", line)
+        if head and line.rstrip().endswith("{"):
+            name = head.group(1)
+            out[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            m = INSTRUCTION.match(line.strip())
+            if m:
+                out[name].append(Instruction(*m.groups()[:4], m.group(5) or ""))
+    return out
+
+
+def trip_multipliers(hlo: str, comps: dict) -> dict[str, int]:
+    """{computation: how many times it runs per call} for ENTRY and every while body."""
+    entry = re.search(r"^ENTRY %(\S+) ", hlo, re.M).group(1)
+    mult, todo = {entry: 1}, [entry]
+    while todo:
+        comp = todo.pop()
+        for ins in comps[comp]:
+            if ins.op != "while":
+                continue
+            body = re.search(r"body=%([\w.\-]+)", ins.attrs).group(1)
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+            if trips is None:
+                raise RuntimeError(f"while loop {ins.name} has no known trip count")
+            mult[body] = mult[comp] * int(trips.group(1))
+            todo.append(body)
+    return mult
+
+
+PASS_THROUGH = {"bitcast", "convert", "reshape", "copy", "transpose"}
+
+
+def elements(shape: str) -> int:
+    n = 1
+    for d in filter(None, (SHAPE.search(shape) or [None, ""])[2].split(",")):
+        n *= int(d)
+    return n
+
+
+def _param_read(name: str, itemsize: int, users: dict) -> int | None:
+    """Bytes a fused parameter is read by, when every path from it reaches a slice through
+    element-wise re-typing/re-shaping ops only (the slice's elements at the parameter's width);
+    None when some path uses it whole."""
+    total = 0
+    for u in users.get(name, []):
+        if u.op in SLICING_OPS and u.operands[0] == name:
+            total += elements(u.shape) * itemsize
+        elif u.op in PASS_THROUGH:
+            if not users.get(u.name):  # the fusion's result: the parameter is used whole
+                return None
+            sub = _param_read(u.name, itemsize, users)
+            if sub is None:
+                return None
+            total += sub
+        else:
+            return None
+    return total
+
+
+def launch_bytes(ins: Instruction, shapes: dict, comps: dict) -> int:
+    """HBM bytes a launch reads and writes. A fused parameter read through slices only (a layer's
+    weights out of the stacked array, z out of the in_proj output) counts as its slices; a
+    dynamic-update-slice root writes its update in place and does not read the buffer it updates."""
+    fused = re.search(r"calls=%([\w.\-]+)", ins.attrs) if ins.op == "fusion" else None
+    body = comps.get(fused.group(1), []) if fused else []
+    by_name = {i.name: i for i in body}
+    users: dict[str, list] = {}
+    for i in body:
+        for o in set(i.operands):
+            users.setdefault(o, []).append(i)
+    root = body[-1] if body else None
+    roots = [by_name[o] for o in root.operands] if root is not None and root.op == "tuple" else [root]
+    updated, written = set(), 0
+    for r in roots:
+        if r is not None and r.op == "dynamic-update-slice":
+            written += shape_bytes(by_name[r.operands[1]].shape) if r.operands[1] in by_name else 0
+            updated.add(r.operands[0])
+        elif r is not None:
+            written += shape_bytes(r.shape)
+    if root is None:
+        # a cuBLAS call's second result is its workspace, scratch rather than traffic
+        written = shape_bytes(SHAPE.search(ins.shape).group(0) if kind(ins) == "gemm" else ins.shape)
+    params = {int(i.args): i.name for i in body if i.op == "parameter"}
+    read = 0
+    for k, operand in enumerate(ins.operands):
+        full = shape_bytes(shapes.get(operand, ""))
+        pname = params.get(k)
+        if pname is None:
+            read += full
+            continue
+        if pname in updated:
+            continue
+        sliced = _param_read(pname, ITEMSIZE[SHAPE.search(by_name[pname].shape).group(1)], users)
+        read += full if sliced is None else min(full, sliced)
+    return read + written
+
+
+def kind(ins: Instruction) -> str:
+    """gemm, kernel (a Pallas kernel), copy (a weight slice copied out of the stacked layers) or glue."""
+    a = ins.attrs
+    if ins.op == "custom-call":
+        if "__gpu$xla.gpu.triton" in a:
+            return "kernel"
+        return "gemm" if "cublas" in a.lower() else "glue"
+    if ins.op == "fusion":
+        if '"__triton_gemm"' in a or "calls=%gemm_fusion" in a or "cublas" in a.lower():
+            return "gemm"
+        if '"dynamic_slice_fusion"' in a:
+            return "copy"
+    return "glue"
+
+
+def traffic(hlo: str) -> dict:
+    """HBM bytes per call by kind, glue launches per call, and the glue ops by bytes."""
+    comps = computations(hlo)
+    out = {"gemm": 0, "kernel": 0, "copy": 0, "glue": 0, "glue_launches": 0}
+    glue_ops = []
+    for comp, times in trip_multipliers(hlo, comps).items():
+        shapes = {i.name: i.shape for i in comps[comp]}
+        for ins in comps[comp]:
+            if ins.op in FREE_OPS:
+                continue
+            k = kind(ins)
+            moved = 2 * shape_bytes(ins.shape) if k == "copy" else launch_bytes(ins, shapes, comps)
+            out[k] += moved * times
+            if k == "glue":
+                out["glue_launches"] += times
+                glue_ops.append((moved * times, ins.name, times, ins.shape.split("{")[0][:56]))
+    out["top_glue"] = sorted(glue_ops, reverse=True)
+    return out
+
+

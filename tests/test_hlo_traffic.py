@@ -1,0 +1,117 @@
+"""benchmarks/_hlo_traffic.py, which reads HBM traffic out of a compiled GPU program's HLO text
+(benchmarks/gpu_program.py, issue #19), on a program written out by hand whose bytes are counted
+here from the HLO semantics: a loop of 4 layers that copies its weight slice out of the stacked
+array, runs a cuBLAS GEMM and a Pallas kernel, gates with a column slice of the GEMM's output and
+writes its result into a stacked carry in place."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "_hlo_traffic", Path(__file__).resolve().parents[1] / "benchmarks" / "_hlo_traffic.py")
+hlo_traffic = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
+_spec.loader.exec_module(hlo_traffic)
+
+MiB = 2**20
+HLO = """\
+HloModule jit_layers, is_scheduled=true
+
+%fused_weight_slice (param_0: bf16[4,1024,2048], param_1: s32[]) -> bf16[1,1024,2048] {
+  %param_0 = bf16[4,1024,2048]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %ds = bf16[1,1024,2048]{2,1,0} dynamic-slice(%param_0, %param_1, %zero, %zero), dynamic_slice_sizes={1,1024,2048}
+  ROOT %copy = bf16[1,1024,2048]{2,1,0} copy(%ds)
+}
+
+%fused_gate (param_0.1: bf16[256,2048], param_1.1: f32[256,512]) -> f32[256,512] {
+  %param_0.1 = bf16[256,2048]{1,0} parameter(0)
+  %convert = f32[256,2048]{1,0} convert(%param_0.1)
+  %slice = f32[256,512]{1,0} slice(%convert), slice={[0:256], [0:512]}
+  %param_1.1 = f32[256,512]{1,0} parameter(1)
+  ROOT %multiply = f32[256,512]{1,0} multiply(%slice, %param_1.1)
+}
+
+%fused_store (param_0.2: f32[4,256,512], param_1.2: f32[256,512], param_2.2: s32[]) -> f32[4,256,512] {
+  %param_0.2 = f32[4,256,512]{2,1,0} parameter(0)
+  %param_1.2 = f32[256,512]{1,0} parameter(1)
+  %bitcast.1 = f32[1,256,512]{2,1,0} bitcast(%param_1.2)
+  %param_2.2 = s32[] parameter(2)
+  %zero.1 = s32[] constant(0)
+  ROOT %dus = f32[4,256,512]{2,1,0} dynamic-update-slice(%param_0.2, %bitcast.1, %param_2.2, %zero.1, %zero.1)
+}
+
+%fused_increment (param_0.3: s32[]) -> s32[] {
+  %param_0.3 = s32[] parameter(0)
+  %one = s32[] constant(1)
+  ROOT %add = s32[] add(%param_0.3, %one)
+}
+
+%fused_cast (param_0.4: bf16[256,1024]) -> f32[256,1024] {
+  %param_0.4 = bf16[256,1024]{1,0} parameter(0)
+  ROOT %convert.1 = f32[256,1024]{1,0} convert(%param_0.4)
+}
+
+%body (arg: (s32[], bf16[4,1024,2048], f32[4,256,512], bf16[256,1024])) -> (s32[], bf16[4,1024,2048], f32[4,256,512], bf16[256,1024]) {
+  %arg = (s32[], bf16[4,1024,2048]{2,1,0}, f32[4,256,512]{2,1,0}, bf16[256,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %w = bf16[4,1024,2048]{2,1,0} get-tuple-element(%arg), index=1
+  %acc = f32[4,256,512]{2,1,0} get-tuple-element(%arg), index=2
+  %x = bf16[256,1024]{1,0} get-tuple-element(%arg), index=3
+  %w_l = bf16[1,1024,2048]{2,1,0} fusion(%w, %i), kind=kCustom, calls=%fused_weight_slice, backend_config={"fusion_backend_config":{"kind":"__custom_fusion","custom_fusion_config":{"name":"dynamic_slice_fusion","kernel_index":0}}}
+  %w_b = bf16[1024,2048]{1,0} bitcast(%w_l)
+  %gemm = (bf16[256,2048]{1,0}, s8[4194304]{0}) custom-call(%x, %w_b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"beta":0}}
+  %h = bf16[256,2048]{1,0} get-tuple-element(%gemm), index=0
+  %y = f32[256,512]{1,0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"ssd_chunked"}
+  %gated = f32[256,512]{1,0} fusion(%h, %y), kind=kLoop, calls=%fused_gate
+  %stored = f32[4,256,512]{2,1,0} fusion(%acc, %gated, %i), kind=kLoop, calls=%fused_store
+  %next = s32[] fusion(%i), kind=kLoop, calls=%fused_increment
+  ROOT %out = (s32[], bf16[4,1024,2048]{2,1,0}, f32[4,256,512]{2,1,0}, bf16[256,1024]{1,0}) tuple(%next, %w, %stored, %x)
+}
+
+%cond (arg.1: (s32[], bf16[4,1024,2048], f32[4,256,512], bf16[256,1024])) -> pred[] {
+  %arg.1 = (s32[], bf16[4,1024,2048]{2,1,0}, f32[4,256,512]{2,1,0}, bf16[256,1024]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%arg.1), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+
+ENTRY %main (w.1: bf16[4,1024,2048], x.1: bf16[256,1024]) -> f32[4,256,512] {
+  %w.1 = bf16[4,1024,2048]{2,1,0} parameter(0)
+  %x.1 = bf16[256,1024]{1,0} parameter(1)
+  %x32 = f32[256,1024]{1,0} fusion(%x.1), kind=kLoop, calls=%fused_cast
+  %acc0 = f32[4,256,512]{2,1,0} constant({...})
+  %start = s32[] constant(0)
+  %init = (s32[], bf16[4,1024,2048]{2,1,0}, f32[4,256,512]{2,1,0}, bf16[256,1024]{1,0}) tuple(%start, %w.1, %acc0, %x.1)
+  %loop = (s32[], bf16[4,1024,2048]{2,1,0}, f32[4,256,512]{2,1,0}, bf16[256,1024]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"},"known_init_step":{"init":"0","step":"1"}}
+  ROOT %result = f32[4,256,512]{2,1,0} get-tuple-element(%loop), index=2
+}
+"""
+
+
+def test_bytes_by_kind_follow_the_loop_trip_count_slices_and_in_place_updates():
+    t = hlo_traffic.traffic(HLO)
+    layers = 4
+    # the weight slice, read and written once each per layer
+    assert t["copy"] == layers * 2 * (1024 * 2048 * 2)
+    # the GEMM reads x and its weight slice and writes its result (cuBLAS's workspace is not traffic)
+    assert t["gemm"] == layers * (256 * 1024 * 2 + 1024 * 2048 * 2 + 256 * 2048 * 2)
+    assert t["kernel"] == layers * (256 * 1024 * 2 + 256 * 512 * 4)
+    gate = 256 * 512 * 2 + 256 * 512 * 4 + 256 * 512 * 4  # a quarter of h's columns (bf16), y, the result
+    store = 256 * 512 * 4 + 4 + 256 * 512 * 4  # gated and i read; one layer's slot written, the rest untouched
+    increment = 4 + 4
+    cast = 256 * 1024 * 2 + 256 * 1024 * 4  # outside the loop: once
+    assert t["glue"] == layers * (gate + store + increment) + cast
+    assert t["glue_launches"] == layers * 3 + 1
+    assert [name for _, name, _, _ in t["top_glue"][:2]] == ["gated", "stored"]
+
+
+def test_a_loop_without_a_known_trip_count_is_an_error_not_a_guess():
+    hlo = HLO.replace(', backend_config={"known_trip_count":{"n":"4"},"known_init_step":{"init":"0","step":"1"}}', "")
+    with pytest.raises(RuntimeError, match="no known trip count"):
+        hlo_traffic.traffic(hlo)
