@@ -43,16 +43,13 @@ _cuda_target.setup()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from gpu_breakdown import CONFIGS  # noqa: E402  (the 7B configs, one list for the GPU scripts)
 
 from jaxembed import models  # noqa: E402
+from jaxembed.bench.measure import parse_length  # noqa: E402
 from jaxembed.config import load_config  # noqa: E402
 from jaxembed.schedule import embed  # noqa: E402
 
-CONFIGS = {
-    "mamba2": ROOT / "configs/models/codestral-mamba-7b.yaml",
-    "rwkv7": ROOT / "configs/models/rwkv7-g0-7.2b.yaml",
-    "xlstm": ROOT / "configs/models/xlstm-7b.yaml",
-}
 GiB = 2.0**30
 
 
@@ -74,11 +71,6 @@ def compile_embed(cfg, params, batch: int, length: int, V: int | None, sharding)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sharding)
     return jax.jit(lambda p, i, n: embed(p, cfg, i, n, vertical_chunk_size=V, kernels="pallas")
                    ).lower(params, ids, lengths).compile()
-
-
-def parse_length(text: str) -> int:
-    text = text.lower()
-    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
 
 
 def main(argv=None) -> int:
