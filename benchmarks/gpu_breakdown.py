@@ -195,13 +195,18 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_case_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options that pick what is measured, shared with gpu_program.py."""
     ap.add_argument("--families", default="mamba2,rwkv7,xlstm")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--cases", default="1x32k,32x4k")
     ap.add_argument("--vertical", default="1:4096,32:512", help="V per batch size, batch:V,...")
     ap.add_argument("--dtype", default="bfloat16")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_case_arguments(ap)
     ap.add_argument("--scaled", action="store_true", help="the width/16 configs/models/scaled-*.yaml (CPU checks)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-profile", dest="profile", action="store_false")

@@ -43,7 +43,7 @@ _cuda_target.setup()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from gpu_breakdown import CONFIGS  # noqa: E402  (the 7B configs, one list for the GPU scripts)
+from gpu_breakdown import CONFIGS, add_case_arguments  # noqa: E402  (the 7B configs, one list for the GPU scripts)
 
 from jaxembed import models  # noqa: E402
 from jaxembed.bench.measure import parse_length  # noqa: E402
@@ -75,11 +75,7 @@ def compile_embed(cfg, params, batch: int, length: int, V: int | None, sharding)
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--families", default="mamba2,rwkv7,xlstm")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--cases", default="1x32k,32x4k")
-    ap.add_argument("--vertical", default="1:4096,32:512", help="V per batch size, batch:V,...")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_case_arguments(ap)
     ap.add_argument("--target", default="h100", choices=sorted(_cuda_target.TARGETS))
     ap.add_argument("--top", type=int, default=0, help="list this many of the largest glue ops per program")
     ap.add_argument("--hlo-dir", default=None, help="write each program's optimised HLO here")
