@@ -6,7 +6,8 @@ computation it sits in, that is times the known trip counts of the while loops a
 summed by kind: gemm (cuBLAS or a Triton GEMM fusion), kernel (a Pallas kernel), copy (a weight
 slice copied out of the stacked layers: XLA's dynamic_slice_fusion) and glue (every other fusion).
 Two refinements keep it from counting what is not moved: a fused parameter that is read only
-through slices counts as those slices, and a dynamic-update-slice result writes its update in place.
+through slices or gathers counts as what they return (overlapping static slices once), and a
+dynamic-update-slice result writes its update in place.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ SHAPE = re.compile(r"\b(" + "|".join(ITEMSIZE) + r")\[([\d,]*)\]")
 INSTRUCTION = re.compile(r"^(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z\-]*)\((.*?)\)(, .*)?$")
 FREE_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional",
             "partition-id", "replica-id", "after-all"}
-SLICING_OPS = {"slice", "dynamic-slice"}
+SLICING_OPS = {"slice", "dynamic-slice", "gather"}  # read only what they return from their first operand
 
 
 def shape_bytes(text: str) -> int:
@@ -90,24 +91,71 @@ def elements(shape: str) -> int:
     return n
 
 
-def _param_read(name: str, itemsize: int, users: dict) -> int | None:
-    """Bytes a fused parameter is read by, when every path from it reaches a slice through
-    element-wise re-typing/re-shaping ops only (the slice's elements at the parameter's width);
-    None when some path uses it whole."""
-    total = 0
+def _static_window(ins: Instruction) -> list[tuple[int, int]] | None:
+    """A unit-stride static slice's [start, end) per dimension; None for any other slice."""
+    m = re.search(r"slice=\{(.*?)\}", ins.attrs)
+    if ins.op != "slice" or m is None:
+        return None
+    window = []
+    for dim in re.findall(r"\[([^\]]*)\]", m.group(1)):
+        parts = [int(v) for v in dim.split(":")]
+        if len(parts) == 3 and parts[2] != 1:
+            return None
+        window.append((parts[0], parts[1]))
+    return window
+
+
+def _param_slices(name: str, users: dict) -> list | None:
+    """The slices a fused parameter is read through, when every path from it reaches one through
+    element-wise re-typing/re-shaping ops only: [(elements, static window or None)]; None when
+    some path uses it whole."""
+    found = []
     for u in users.get(name, []):
         if u.op in SLICING_OPS and u.operands[0] == name:
-            total += elements(u.shape) * itemsize
+            found.append((elements(u.shape), _static_window(u)))
         elif u.op in PASS_THROUGH:
             if not users.get(u.name):  # the fusion's result: the parameter is used whole
                 return None
-            sub = _param_read(u.name, itemsize, users)
+            sub = _param_slices(u.name, users)
             if sub is None:
                 return None
-            total += sub
+            found += sub
         else:
             return None
-    return total
+    return found
+
+
+def _union_elements(windows: list[list[tuple[int, int]]]) -> int:
+    """Elements in the union of boxes (same rank), by cutting every axis at every box edge."""
+    cuts = [sorted({v for w in windows for v in w[d]}) for d in range(len(windows[0]))]
+
+    def count(d: int, boxes) -> int:
+        if d == len(cuts):
+            return 1 if boxes else 0
+        total = 0
+        for lo, hi in zip(cuts[d][:-1], cuts[d][1:], strict=True):
+            inside = [w for w in boxes if w[d][0] <= lo and hi <= w[d][1]]
+            if inside:
+                total += (hi - lo) * count(d + 1, inside)
+        return total
+
+    return count(0, windows)
+
+
+def _param_read(name: str, itemsize: int, users: dict) -> int | None:
+    """Bytes a fused parameter is read by when it is read only through slices (`_param_slices`),
+    at the parameter's width. Overlapping static windows (a conv's taps, each the input shifted by
+    a token) count once: the kernel fetches those bytes once and its caches serve the overlap."""
+    found = _param_slices(name, users)
+    if found is None:
+        return None
+    windows = [w for _, w in found if w is not None]
+    total = sum(n for n, w in found if w is None)
+    if windows and all(len(w) == len(windows[0]) for w in windows):
+        total += _union_elements(windows)
+    else:
+        total += sum(n for n, w in found if w is not None)
+    return total * itemsize
 
 
 def launch_bytes(ins: Instruction, shapes: dict, comps: dict) -> int:

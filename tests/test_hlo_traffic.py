@@ -115,3 +115,51 @@ def test_a_loop_without_a_known_trip_count_is_an_error_not_a_guess():
     hlo = HLO.replace(', backend_config={"known_trip_count":{"n":"4"},"known_init_step":{"init":"0","step":"1"}}', "")
     with pytest.raises(RuntimeError, match="no known trip count"):
         hlo_traffic.traffic(hlo)
+
+
+SHIFTED = """\
+HloModule jit_conv, is_scheduled=true
+
+%fused_conv (param_0: bf16[64,96]) -> f32[64,32] {
+  %param_0 = bf16[64,96]{1,0} parameter(0)
+  %wide = f32[64,96]{1,0} convert(%param_0)
+  %tap0 = f32[62,32]{1,0} slice(%wide), slice={[0:62], [32:64]}
+  %zero = f32[] constant(0)
+  %pad0 = f32[64,32]{1,0} pad(%tap0, %zero), padding=2_0x0_0
+  %tap1 = f32[63,32]{1,0} slice(%wide), slice={[0:63], [32:64]}
+  %pad1 = f32[64,32]{1,0} pad(%tap1, %zero), padding=1_0x0_0
+  %tap2 = f32[64,32]{1,0} slice(%wide), slice={[0:64], [32:64]}
+  %sum = f32[64,32]{1,0} add(%pad0, %pad1)
+  ROOT %out = f32[64,32]{1,0} add(%sum, %tap2)
+}
+
+%fused_pick (param_0.1: f32[64,32], param_1.1: s32[2,1]) -> f32[2,32] {
+  %param_0.1 = f32[64,32]{1,0} parameter(0)
+  %param_1.1 = s32[2,1]{1,0} parameter(1)
+  ROOT %rows = f32[2,32]{1,0} gather(%param_0.1, %param_1.1), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,32}
+}
+
+ENTRY %main (x: bf16[64,96], at: s32[2,1]) -> f32[2,32] {
+  %x = bf16[64,96]{1,0} parameter(0)
+  %at = s32[2,1]{1,0} parameter(1)
+  %conv = f32[64,32]{1,0} fusion(%x), kind=kLoop, calls=%fused_conv
+  ROOT %pick = f32[2,32]{1,0} fusion(%conv, %at), kind=kLoop, calls=%fused_pick
+}
+"""
+
+
+def test_overlapping_shifted_slices_are_one_read_and_a_gather_reads_what_it_returns():
+    t = hlo_traffic.traffic(SHIFTED)
+    # the conv's three taps are the same 64 x 32 columns shifted by a row: one read of that box
+    conv = 64 * 32 * 2 + 64 * 32 * 4
+    pick = 2 * 32 * 4 + 2 * 4 + 2 * 32 * 4  # two rows gathered, the indices, the result
+    assert t["glue"] == conv + pick
+
+
+def test_the_union_of_slices_counts_each_element_once():
+    union = hlo_traffic._union_elements
+    assert union([[(0, 62), (32, 64)], [(0, 63), (32, 64)], [(0, 64), (32, 64)]]) == 64 * 32
+    # two disjoint column ranges over different rows, and a box inside another
+    assert union([[(0, 512), (2048, 4096)], [(0, 64), (0, 1024)], [(10, 20), (2100, 2200)]]) == 512 * 2048 + 64 * 1024
+    # two boxes overlapping in a corner
+    assert union([[(0, 4), (0, 4)], [(2, 6), (2, 6)]]) == 16 + 16 - 4

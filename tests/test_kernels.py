@@ -210,6 +210,72 @@ def test_ssd_split_into_sequence_segments_matches_the_recurrence(dtype):
             assert rel_err(s, s_ref) < tol, (segments, rel_err(s, s_ref))
 
 
+def _conv_then_recurrence(proj, conv_state, w, bias, A, D, dt_bias, s0, *, offset, h, p, g, n):
+    """The mixer's middle written out here: the causal conv + SiLU over [conv state ‖ raw xBC] tap
+    by tap in numpy (float32, rounded to proj's dtype as the layer does), then the token-by-token
+    recurrence (the paper's eq. 3)."""
+    conv_dim = h * p + 2 * g * n
+    raw = np.asarray(proj.astype(jnp.float32))[..., offset : offset + conv_dim]
+    full = np.concatenate([np.asarray(conv_state), raw], axis=1)
+    k, t = w.shape[0], raw.shape[1]
+    taps = np.asarray(w.astype(jnp.float32))
+    out = sum(full[:, i : i + t] * taps[i] for i in range(k)) + np.asarray(bias.astype(jnp.float32))
+    xbc = jnp.asarray(out / (1.0 + np.exp(-out))).astype(proj.dtype).astype(jnp.float32)
+    x, B, C = ssd.split_xbc(xbc, heads=h, head_dim=p, groups=g, state_size=n)
+    dt = proj[..., offset + conv_dim :].astype(jnp.float32)
+    y, s = ssd.recurrent(x, dt, A, B, C, D=D, dt_bias=dt_bias, initial_state=s0)
+    return y, jnp.asarray(full[:, -(k - 1):]), s
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ssd_convolving_raw_x_in_the_kernel_matches_the_recurrence(dtype):
+    """`conv_chunked`, the kernel reading raw x straight out of in_proj's output [z | xBC | dt] and
+    convolving it per chunk (conv state ‖ first tokens in a head block, last tokens in a tail
+    block), against the conv and the recurrence written out here: from a random conv and SSD
+    state, lengths shorter than a chunk, odd and whole, in 1 to 4 sequence segments."""
+    rng = np.random.default_rng(next(_draws))
+    b, h, p, g, n, k = 2, 4, 16, 2, 16, 4
+    e, conv_dim = h * p, h * p + 2 * g * n
+    A, D, dt_bias = -jnp.exp(_normal(rng, (h,))), _normal(rng, (h,)), _normal(rng, (h,), 0.5)
+    w, bias = _normal(rng, (k, conv_dim), 0.5).astype(dtype), _normal(rng, (conv_dim,), 0.3).astype(dtype)
+    tol = KERNEL_TOLERANCE[dtype]
+    for t, segments in ((5, 1), (32, 2), (37, 1), (75, 4)):
+        proj = _normal(rng, (b, t, e + conv_dim + h)).astype(dtype)
+        conv_state = _normal(rng, (b, k - 1, conv_dim)).astype(dtype).astype(jnp.float32)  # earlier rows of proj
+        s0 = _normal(rng, (b, h, p, n))
+        y_ref, conv_ref, s_ref = _conv_then_recurrence(proj, conv_state, w, bias, A, D, dt_bias, s0, offset=e,
+                                                       h=h, p=p, g=g, n=n)
+        y, conv_out, s = kernels.ssd_conv_chunked(
+            proj, A, conv_state, w, bias, offset=e, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8,
+            D=D, dt_bias=dt_bias, initial_state=s0, backend="interpret",
+            blocks=BlockSizes(chunk=16, value_block=16, segments=segments))
+        assert bool(jnp.all(jnp.isfinite(y.astype(jnp.float32)))), t
+        assert rel_err(y.astype(jnp.float32), y_ref) < tol, (t, rel_err(y.astype(jnp.float32), y_ref))
+        assert rel_err(s, s_ref) < tol, (t, rel_err(s, s_ref))
+        np.testing.assert_array_equal(np.asarray(conv_out), np.asarray(conv_ref))
+
+
+def test_conv_ssd_reads_the_projection_in_place_at_codestral_shapes():
+    """The layer's call at Codestral Mamba 7B's dims, lowered for CUDA from shapes: the kernel's x
+    operand is in_proj's output itself, unpadded at an odd length (no copy of it and no conv output
+    of x in between), in one kernel at batch 8 and two (segment end states first) at batch 1."""
+    from jaxembed.kernels import ssd as k_ssd
+
+    h, p, g, n = 128, 64, 8, 128
+    width, conv_dim = 2 * h * p + 2 * g * n + h, h * p + 2 * g * n
+    S = jax.ShapeDtypeStruct
+    for b, t, kernel_calls in ((8, 4099, 1), (1, 4096, 2)):
+        lowered = jax.jit(lambda proj, cs, w, bias, A, D: k_ssd.conv_chunked(
+            proj, A, cs, w, bias, offset=h * p, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=256, D=D,
+            dt_bias=D)).trace(S((b, t, width), jnp.bfloat16), S((b, 3, conv_dim), jnp.float32),
+                              S((4, conv_dim), jnp.bfloat16), S((conv_dim,), jnp.bfloat16), S((h,), jnp.float32),
+                              S((h,), jnp.float32)).lower(lowering_platforms=("cuda",))
+        calls = [line for line in lowered.as_text().splitlines() if "xla.gpu.triton" in line and "custom_call" in line]
+        assert len(calls) == kernel_calls, (b, t)
+        for line in calls:
+            assert line.rsplit(": (", 1)[1].startswith(f"tensor<{b}x{t}x{width}xbf16>"), line[-300:]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mlstm_split_into_sequence_segments_matches_the_recurrence(dtype):
     """mLSTM with the sequence in segments: each segment's own stabilised end state (C, n, m) from

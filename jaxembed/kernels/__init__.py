@@ -55,8 +55,10 @@ def _dispatch(name: str, form: str = "chunked"):
 
 ssd_chunked = _dispatch("ssd")
 ssd_chunked_xbc = _dispatch("ssd", "chunked_xbc")
+ssd_conv_chunked = _dispatch("ssd", "conv_chunked")
 wkv7_chunked = _dispatch("wkv7")
 mlstm_chunked = _dispatch("mlstm")
 
-__all__ = ["BACKENDS", "BlockSizes", "heuristic", "resolve", "ssd_chunked", "ssd_chunked_xbc", "wkv7_chunked",
+__all__ = ["BACKENDS", "BlockSizes", "heuristic", "resolve", "ssd_chunked", "ssd_chunked_xbc", "ssd_conv_chunked",
+           "wkv7_chunked",
            "mlstm_chunked"]

@@ -25,6 +25,7 @@ time-major, so XLA keeps the layer's activations row-major with no transposes ar
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +46,80 @@ def _state_step(S, x, Bc, dt, a_cum, a_to_end):
     return chunk_decay * S + common.dot(w, Bc, trans_a=True)
 
 
-def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref, *refs, L, chunks, segments):
+class XConv(NamedTuple):
+    """Static layout of x read raw (before the causal conv) out of in_proj's output: `taps` conv
+    taps, `full` chunks lie wholly within the real tokens and are read from it; chunk 0 reads the
+    head block (conv state ‖ the first tokens) and the chunks from `full` on the tail block (the last
+    real tokens ‖ zeros), both `rows` long, so no load leaves the real rows."""
+    taps: int
+    full: int
+    rows: int
+
+
+def _walk_x(x_ref, conv_refs, xconv, *, L, first, chunks, step, S):
+    """S = step(c, x_c, S) for the chunks c in [first, first + chunks), x_c [L, pb] the chunk's x:
+    a row block of x_ref, or with `xconv` the causal conv + SiLU of raw x computed here (tap i
+    reads the inputs k-1-i tokens back, summed in `ops.ssd.causal_conv`'s order)."""
+    if xconv is None:
+        return lax.fori_loop(first, first + chunks, lambda c, S: step(c, x_ref[_rows(c, L), :], S), S)
+    head_ref, tail_ref, w_ref, bias_ref = conv_refs
+    k, full = xconv.taps, xconv.full
+
+    def conv(window):
+        acc = None
+        for i in range(k):
+            term = window(k - 1 - i).astype(F32) * w_ref[i, :].astype(F32)[None, :]
+            acc = term if acc is None else acc + term
+        acc = acc + bias_ref[...].astype(F32)[None, :]
+        return (acc / (1.0 + jnp.exp(-acc))).astype(x_ref.dtype)
+
+    def raw(c):
+        return lambda lag: x_ref[pl.ds(c * L - lag, L), :]
+
+    def block(ref):
+        return lambda lag: ref[pl.ds(k - 1 - lag, L), :]
+
+    if isinstance(first, int):  # one segment: chunk 0 is the head
+        x_first = conv(block(head_ref))
+    else:
+        def first_window(lag):  # head for chunk 0, tail from `full` on, else the raw rows
+            x = block(tail_ref)(lag)
+            if full > 0:  # (clipped: the load happens whichever block is chosen)
+                rows = x_ref[pl.ds(jnp.clip(first * L - lag, 0, x_ref.shape[0] - L), L), :]
+                x = jnp.where(first >= full, x, rows)
+            return jnp.where(first == 0, block(head_ref)(lag), x)
+        x_first = conv(first_window)
+    S = step(first, x_first, S)
+    if full > 0:  # with none, x_ref holds fewer than L rows: no load of it may be traced
+        S = _for(first + 1, _min(first + chunks, full), lambda c, S: step(c, conv(raw(c)), S), S)
+    return _for(_max(first + 1, full), first + chunks, lambda c, S: step(c, conv(block(tail_ref)), S), S)
+
+
+def _rows(c, L):
+    """Chunk c's rows; a traced start is marked as a multiple of L (Triton's aligned loads)."""
+    return pl.ds(c * L if isinstance(c, int) else pl.multiple_of(c * L, L), L)
+
+
+def _min(a, b):
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
+
+
+def _max(a, b):
+    return max(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.maximum(a, b)
+
+
+def _for(lo, hi, body, S):
+    """fori_loop that runs no iteration when lo >= hi, static or traced."""
+    if isinstance(lo, int) and isinstance(hi, int) and lo >= hi:
+        return S
+    return lax.fori_loop(lo, hi, body, S)
+
+
+def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref, *refs, L, chunks, segments, xconv):
     """Segment `program_id(3)` of the sequence (all of it when segments == 1): `chunks` chunks from
     the state entering the segment, which is the initial state carried through the segments before
     it by their own end states (`_segment_state_kernel`) and decays."""
+    conv_refs, refs = (refs[:4], refs[4:]) if xconv is not None else ((), refs)
     if segments > 1:
         seg_decay_ref, seg_state_ref, y_ref, s_ref = refs
     else:
@@ -56,9 +127,9 @@ def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref,
     causal, _ = common.causal_masks(L)
     D = D_ref[...]  # [pb]
 
-    def chunk(c, S):  # S [pb, n] float32
-        t = pl.ds(pl.multiple_of(c * L, L), L)
-        x, Bc, Cc = x_ref[t, :], B_ref[t, :], C_ref[t, :]  # [l, pb] [l, n] [l, n]
+    def chunk(c, x, S):  # x [l, pb], S [pb, n] float32
+        t = _rows(c, L)
+        Bc, Cc = B_ref[t, :], C_ref[t, :]  # [l, n] [l, n]
         dt, a_cum, a_to_end = dt_ref[t], a_cum_ref[t], a_to_end_ref[t]  # [l] float32
         decay = jnp.exp(jnp.minimum(a_cum[:, None] - a_cum[None, :], 0.0))  # [l, s], clamped above the diagonal
         M = jnp.where(causal, common.dot(Cc, Bc, trans_b=True) * decay * dt[None, :], 0.0)
@@ -73,19 +144,20 @@ def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref,
         segment = pl.program_id(3)
         S = lax.fori_loop(0, segment, lambda j, S: jnp.exp(seg_decay_ref[j]) * S + seg_state_ref[j], S)
         first = segment * chunks
-    s_ref[...] = lax.fori_loop(first, first + chunks, chunk, S)
+    s_ref[...] = _walk_x(x_ref, conv_refs, xconv, L=L, first=first, chunks=chunks, step=chunk, S=S)
 
 
-def _segment_state_kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, s_ref, *, L, chunks):
+def _segment_state_kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, *refs, L, chunks, xconv):
     """The end state of segment `program_id(3)` entered with a zero state: the state half of
     `_kernel`'s loop (one dot per chunk, no outputs per token)."""
+    conv_refs, (s_ref,) = (refs[:4], refs[4:]) if xconv is not None else ((), refs)
 
-    def chunk(c, S):
-        t = pl.ds(pl.multiple_of(c * L, L), L)
-        return _state_step(S, x_ref[t, :], B_ref[t, :], dt_ref[t], a_cum_ref[t], a_to_end_ref[t])
+    def chunk(c, x, S):
+        t = _rows(c, L)
+        return _state_step(S, x, B_ref[t, :], dt_ref[t], a_cum_ref[t], a_to_end_ref[t])
 
-    first = pl.program_id(3) * chunks
-    s_ref[...] = lax.fori_loop(first, first + chunks, chunk, jnp.zeros(s_ref.shape, F32))
+    s_ref[...] = _walk_x(x_ref, conv_refs, xconv, L=L, first=pl.program_id(3) * chunks, chunks=chunks, step=chunk,
+                         S=jnp.zeros(s_ref.shape, F32))
 
 
 def _per_head_decays(dt, A, dt_bias, *, dt_limit, L: int, T: int, segments: int):
@@ -104,11 +176,14 @@ def _per_head_decays(dt, A, dt_bias, *, dt_limit, L: int, T: int, segments: int)
     return dt, a_cum.reshape(b, T, h), a_to_end.reshape(b, T, h), segment_decay
 
 
-def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_limit, blocks, interpret):
+def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_limit, blocks, interpret,
+            x_conv=None):
     """The kernel over column blocks of time-major arrays: x3 holds head j's values in columns
     [j*P, (j+1)*P) after `offsets[0]` blocks of value_block columns; B3 and C3 hold group gg's
     in columns [gg*N, (gg+1)*N) after offsets[1] / offsets[2] blocks of N columns. They may be
-    one array (the packed xbc). Returns (y [b, t, h, p], final state [b, h, p, n])."""
+    one array (the packed xbc). With `x_conv` = (head, tail, conv weight, conv bias), x3 is raw x
+    of t rows, convolved in the kernel (`XConv`; head and tail [b, rows, h*p], weight [k, >= h*p],
+    bias [>= h*p]). Returns (y [b, t, h, p], final state [b, h, p, n])."""
     b = x3.shape[0]
     r = h // g
     L, pb = blocks.chunk, blocks.value_block
@@ -117,12 +192,21 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
     segments, chunks, T = common.segment_layout(blocks, programs=b * h * vb, t=t)
     dt, a_cum, a_to_end, segment_decay = _per_head_decays(dt, A, dt_bias, dt_limit=dt_limit, L=L, T=T,
                                                           segments=segments)
-    x3, B3, C3 = (common.pad_axis(v, 1, T) for v in (x3, B3, C3))
+    B3, C3 = (common.pad_axis(v, 1, T) for v in (B3, C3))
+    x3 = common.pad_axis(x3, 1, T) if x_conv is None else x3
     Dp = common.pad_axis(jnp.broadcast_to((D[:, None] if D.ndim == 1 else D).astype(F32), (h, p)), 1, P)
     s0 = common.pad_axis(common.pad_axis(state, 2, P), 3, N)
     x_off, B_off, C_off = offsets
 
-    x_spec = pl.BlockSpec((None, T, pb), lambda i, j, k, s: (i, 0, x_off + j * vb + k))
+    x_spec = pl.BlockSpec((None, x3.shape[1], pb), lambda i, j, k, s: (i, 0, x_off + j * vb + k))
+    xconv, conv_specs = None, []
+    if x_conv is not None:
+        head, _, weight, _ = x_conv
+        xconv = XConv(taps=weight.shape[0], full=t // L, rows=head.shape[1])
+        column = pl.BlockSpec((None, xconv.rows, pb), lambda i, j, k, s: (i, 0, j * vb + k))
+        conv_specs = [column, column, pl.BlockSpec((xconv.taps, pb), lambda i, j, k, s: (0, j * vb + k)),
+                      pl.BlockSpec((pb,), lambda i, j, k, s: (j * vb + k,))]
+    conv_args = list(x_conv or ())
     per_head = pl.BlockSpec((None, T, None), lambda i, j, k, s: (i, 0, j))
     B_spec = pl.BlockSpec((None, T, N), lambda i, j, k, s: (i, 0, B_off + j // r))
     C_spec = pl.BlockSpec((None, T, N), lambda i, j, k, s: (i, 0, C_off + j // r))
@@ -131,26 +215,27 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
     extra_specs, extra_args = [], []
     if segments > 1:
         seg_states = common.call(
-            lambda *refs: _segment_state_kernel(*refs, L=L, chunks=chunks),
-            grid=(b, h, vb, segments - 1), in_specs=[x_spec, per_head, per_head, per_head, B_spec], out_specs=seg_st,
+            lambda *refs: _segment_state_kernel(*refs, L=L, chunks=chunks, xconv=xconv),
+            grid=(b, h, vb, segments - 1), in_specs=[x_spec, per_head, per_head, per_head, B_spec, *conv_specs],
+            out_specs=seg_st,
             out_shape=jax.ShapeDtypeStruct((b, h, segments - 1, P, N), F32), blocks=blocks, interpret=interpret,
             name="ssd_segment_states",
-        )(x3, dt, a_cum, a_to_end, B3)
+        )(x3, dt, a_cum, a_to_end, B3, *conv_args)
         extra_specs = [pl.BlockSpec((None, segments - 1, None), lambda i, j, k, s: (i, 0, j)),
                        pl.BlockSpec((None, None, segments - 1, pb, N), lambda i, j, k, s: (i, j, 0, k, 0))]
         extra_args = [segment_decay, seg_states]
     y, ends = common.call(
-        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments),
+        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments, xconv=xconv),
         grid=(b, h, vb, segments),
         in_specs=[x_spec, per_head, per_head, per_head, B_spec, C_spec,
-                  pl.BlockSpec((None, pb), lambda i, j, k, s: (j, k)), st, *extra_specs],
+                  pl.BlockSpec((None, pb), lambda i, j, k, s: (j, k)), st, *conv_specs, *extra_specs],
         # y time-major with the heads as column blocks [b, T, h*P], the layout of the gated norm that
         # reads it: written [b, T, h, P], XLA converted it to float32 in a pass of its own before the
         # norm (1.5 GB per Codestral layer at 32k tokens; benchmarks/gpu_program.py)
         out_specs=[pl.BlockSpec((None, T, pb), lambda i, j, k, s: (i, 0, j * vb + k)), seg_st],
         out_shape=[jax.ShapeDtypeStruct((b, T, h * P), x3.dtype), jax.ShapeDtypeStruct((b, h, segments, P, N), F32)],
         blocks=blocks, interpret=interpret, name="ssd_chunked",
-    )(x3, dt, a_cum, a_to_end, B3, C3, Dp, s0, *extra_args)
+    )(x3, dt, a_cum, a_to_end, B3, C3, Dp, s0, *conv_args, *extra_args)
     return y.reshape(b, T, h, P)[:, :t, :, :p], ends[:, :, -1, :p, :n]
 
 
@@ -248,3 +333,72 @@ def chunked_xbc(xbc, dt, A, *, heads: int, head_dim: int, groups: int, state_siz
     f = _differentiable_xbc(chunk_size, (heads, head_dim, groups, state_size), tuple(float(v) for v in dt_limit),
                             blocks, bool(interpret))
     return f(xbc, dt, A, D, dt_bias, state)
+
+
+def _forward_conv(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state, *, offset, dims, dt_limit, blocks,
+                  interpret):
+    h, p, g, n = dims
+    e = h * p
+    t, k, L, pb = proj.shape[1], conv_weight.shape[0], blocks.chunk, blocks.value_block
+    xbc, dt = ref.split_projection(proj, offset=offset, heads=h, head_dim=p, groups=g, state_size=n)
+    new_conv_state = ref.conv_state_after(xbc, conv_state)
+    if not (packable(heads=h, head_dim=p, groups=g, state_size=n, value_block=pb) and offset % pb == 0
+            and k - 1 <= L):  # x's column blocks must start on block boundaries; the head holds k-1 + L rows
+        xbc, _ = ref.causal_conv(xbc, conv_state, conv_weight, conv_bias, out_dtype=proj.dtype)
+        y, state = _forward_xbc(xbc, dt, A, D, dt_bias, state, heads=h, head_dim=p, groups=g, state_size=n,
+                                dt_limit=dt_limit, blocks=blocks, interpret=interpret)
+        return y, new_conv_state, state
+    # B and C (2*g*n columns, read by every head of their group) are convolved here by XLA; x (h*p
+    # columns, each read by one program) is convolved in the kernel, straight from in_proj's output
+    bc, _ = ref.causal_conv(xbc[..., e:], conv_state[..., e:], conv_weight[:, e:], conv_bias[e:], out_dtype=proj.dtype)
+    raw_x = xbc[..., :e]
+    rows = 2 * L
+    head = common.pad_axis(jnp.concatenate([conv_state[..., :e].astype(proj.dtype), raw_x[:, :L]], axis=1), 1, rows)
+    full = t // L
+    tail = head if full == 0 else common.pad_axis(raw_x[:, full * L - (k - 1):], 1, rows)
+    y, state = _launch(proj, bc, bc, (offset // pb, 0, g), dt, A, D, dt_bias, state, t=t, h=h, p=p, g=g, n=n,
+                       dt_limit=dt_limit, blocks=blocks, interpret=interpret,
+                       x_conv=(head, tail, conv_weight, conv_bias))
+    return y, new_conv_state, state
+
+
+@common.cached
+def _differentiable_conv(chunk_size, offset, dims, dt_limit, blocks, interpret):
+    h, p, g, n = dims
+
+    def forward(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state):
+        return _forward_conv(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state, offset=offset,
+                             dims=dims, dt_limit=dt_limit, blocks=blocks, interpret=interpret)
+
+    def reference(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state):
+        return ref.conv_chunked(proj, A, conv_state, conv_weight, conv_bias, offset=offset, heads=h, head_dim=p,
+                                groups=g, state_size=n, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
+                                dt_limit=dt_limit, initial_state=state)
+
+    return common.with_reference_vjp(forward, reference)
+
+
+def conv_chunked(proj, A, conv_state, conv_weight, conv_bias, *, offset: int, heads: int, head_dim: int, groups: int,
+                 state_size: int, chunk_size, D=None, dt_bias=None, dt_limit=(0.0, math.inf), initial_state=None,
+                 blocks: common.BlockSizes | None = None, interpret: bool = False):
+    """`ops.ssd.conv_chunked` computed by the Pallas kernel: in_proj's output proj [b, t, offset +
+    conv_dim + h] -> (y [b, t, h, p], new conv state, final SSD state). x is read raw out of proj and
+    convolved per chunk in the kernel (`XConv`; a conv state enters it in proj's dtype, exact for
+    the states a model carries, which are earlier rows of proj); B and C are convolved by XLA."""
+    b, t, _ = proj.shape
+    conv_dim, k = heads * head_dim + 2 * groups * state_size, conv_weight.shape[0]
+    if conv_weight.shape != (k, conv_dim) or conv_state.shape != (b, k - 1, conv_dim) or k < 1:
+        raise ValueError(f"expected conv weight [k, {conv_dim}] and conv state [{b}, k-1, {conv_dim}]; got "
+                         f"{conv_weight.shape} and {conv_state.shape}")
+    if heads % groups:
+        raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups})")
+    state = ops_common.initial_state(initial_state, (b, heads, head_dim, state_size))
+    D = jnp.zeros((heads,), F32) if D is None else D
+    dt_bias = jnp.zeros((heads,), F32) if dt_bias is None else dt_bias
+    conv_bias = jnp.zeros((conv_dim,), F32) if conv_bias is None else conv_bias
+    if blocks is None:
+        blocks = common.heuristic("ssd", key_dim=state_size, value_dim=head_dim)
+    blocks = common.check_blocks(blocks, head_dim)
+    f = _differentiable_conv(chunk_size, offset, (heads, head_dim, groups, state_size),
+                             tuple(float(v) for v in dt_limit), blocks, bool(interpret))
+    return f(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state)
