@@ -313,6 +313,18 @@ def chunked(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_limit=(0.0, 
     return f(x, dt, A, B, C, D, dt_bias, state)
 
 
+def _packed_defaults(b, heads, head_dim, groups, state_size, initial_state, D, dt_bias, blocks):
+    """The packed entries' shared checks and defaults: (initial state, D, dt_bias, block sizes)."""
+    if heads % groups:
+        raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups})")
+    state = ops_common.initial_state(initial_state, (b, heads, head_dim, state_size))
+    D = jnp.zeros((heads,), F32) if D is None else D
+    dt_bias = jnp.zeros((heads,), F32) if dt_bias is None else dt_bias
+    if blocks is None:
+        blocks = common.heuristic("ssd", key_dim=state_size, value_dim=head_dim)
+    return state, D, dt_bias, common.check_blocks(blocks, head_dim)
+
+
 def chunked_xbc(xbc, dt, A, *, heads: int, head_dim: int, groups: int, state_size: int, chunk_size, D=None,
                 dt_bias=None, dt_limit=(0.0, math.inf), initial_state=None, blocks: common.BlockSizes | None = None,
                 interpret: bool = False):
@@ -322,14 +334,8 @@ def chunked_xbc(xbc, dt, A, *, heads: int, head_dim: int, groups: int, state_siz
     if width != heads * head_dim + 2 * groups * state_size or dt.shape != (b, t, heads):
         raise ValueError(f"expected xbc [b, t, h*p + 2*g*n] = [{b}, {t}, {heads * head_dim + 2 * groups * state_size}] "
                          f"and dt [b, t, h] = [{b}, {t}, {heads}]; got xbc {xbc.shape}, dt {dt.shape}")
-    if heads % groups:
-        raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups})")
-    state = ops_common.initial_state(initial_state, (b, heads, head_dim, state_size))
-    D = jnp.zeros((heads,), F32) if D is None else D
-    dt_bias = jnp.zeros((heads,), F32) if dt_bias is None else dt_bias
-    if blocks is None:
-        blocks = common.heuristic("ssd", key_dim=state_size, value_dim=head_dim)
-    blocks = common.check_blocks(blocks, head_dim)
+    state, D, dt_bias, blocks = _packed_defaults(b, heads, head_dim, groups, state_size, initial_state, D, dt_bias,
+                                                 blocks)
     f = _differentiable_xbc(chunk_size, (heads, head_dim, groups, state_size), tuple(float(v) for v in dt_limit),
                             blocks, bool(interpret))
     return f(xbc, dt, A, D, dt_bias, state)
@@ -390,15 +396,9 @@ def conv_chunked(proj, A, conv_state, conv_weight, conv_bias, *, offset: int, he
     if conv_weight.shape != (k, conv_dim) or conv_state.shape != (b, k - 1, conv_dim) or k < 1:
         raise ValueError(f"expected conv weight [k, {conv_dim}] and conv state [{b}, k-1, {conv_dim}]; got "
                          f"{conv_weight.shape} and {conv_state.shape}")
-    if heads % groups:
-        raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups})")
-    state = ops_common.initial_state(initial_state, (b, heads, head_dim, state_size))
-    D = jnp.zeros((heads,), F32) if D is None else D
-    dt_bias = jnp.zeros((heads,), F32) if dt_bias is None else dt_bias
+    state, D, dt_bias, blocks = _packed_defaults(b, heads, head_dim, groups, state_size, initial_state, D, dt_bias,
+                                                 blocks)
     conv_bias = jnp.zeros((conv_dim,), F32) if conv_bias is None else conv_bias
-    if blocks is None:
-        blocks = common.heuristic("ssd", key_dim=state_size, value_dim=head_dim)
-    blocks = common.check_blocks(blocks, head_dim)
     f = _differentiable_conv(chunk_size, offset, (heads, head_dim, groups, state_size),
                              tuple(float(v) for v in dt_limit), blocks, bool(interpret))
     return f(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state)
