@@ -27,6 +27,7 @@ target whose `jax.ShapeDtypeStruct`s make `jit(...).lower(...)` compile for it.
 from __future__ import annotations
 
 import os
+import re
 
 # XLA's GPU device descriptions (xla/tools/hlo_opt/gpu_specs), the fields the compiler reads.
 _H100_SXM = """
@@ -78,4 +79,22 @@ def sharding(name: str):
                          f"(pip install \"jax[cuda12]=={jax.__version__}\"): {err}") from None
     mesh = topologies.make_mesh(topology, (1,), ("device",))
     jax.default_backend = lambda: "gpu"
+    _declare_device(name)
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _declare_device(name: str) -> None:
+    """jax 0.11's Pallas Triton lowering asks the current device which GPU it compiles for, and
+    there is none here: an abstract mesh naming the target's device kind answers it, from here on
+    (jax 0.10 reads the compute capability from the compile options and needs nothing)."""
+    import jax
+    from jax._src import mesh as mesh_lib
+
+    if not hasattr(mesh_lib, "AbstractDevice"):
+        return
+    kind = re.search(r'device_description_str: "([^"]+)"', TARGETS[name]).group(1)
+    cores = int(re.search(r"core_count: (\d+)", TARGETS[name]).group(1))
+    device = mesh_lib.AbstractDevice(device_kind=kind, num_cores=cores, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("device",), axis_types=(jax.sharding.AxisType.Auto,),
+                                     abstract_device=device)
+    jax.sharding.use_abstract_mesh(mesh).__enter__()

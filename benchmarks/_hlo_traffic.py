@@ -4,10 +4,13 @@ Every launch outside the free ops (parameters, tuples, bitcasts, the loops thems
 kernel: it reads its operands and writes its result. Its bytes are counted once per run of the
 computation it sits in, that is times the known trip counts of the while loops around it, and
 summed by kind: gemm (cuBLAS or a Triton GEMM fusion), kernel (a Pallas kernel), copy (a weight
-slice copied out of the stacked layers: XLA's dynamic_slice_fusion) and glue (every other fusion).
-Two refinements keep it from counting what is not moved: a fused parameter that is read only
-through slices or gathers counts as what they return (overlapping static slices once), and a
-dynamic-update-slice result writes its update in place.
+slice copied out of the stacked layers: an XLA dynamic_slice_fusion of a slice alone, or an async
+fusion-start of one) and glue (every other fusion). From jax 0.11 XLA folds the slice into the cuBLAS call itself (a
+dynamic_slice_fusion holding the GEMM, which reads the layer's weights in place): a gemm.
+Three refinements keep it from counting what is not moved: a fused parameter that is read only
+through slices or gathers counts as what they return (overlapping static slices once), a
+dynamic-update-slice result writes its update in place, and a Pallas kernel's operand aliased to
+its result is a stack of per-layer states of which it reads and writes one layer's entry.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 
 SHAPE = re.compile(r"\b(" + "|".join(ITEMSIZE) + r")\[([\d,]*)\]")
 INSTRUCTION = re.compile(r"^(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z\-]*)\((.*?)\)(, .*)?$")
 FREE_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional",
-            "partition-id", "replica-id", "after-all"}
+            "partition-id", "replica-id", "after-all", "fusion-done"}  # an async fusion is counted at its start
 SLICING_OPS = {"slice", "dynamic-slice", "gather"}  # read only what they return from their first operand
 
 
@@ -162,7 +165,7 @@ def launch_bytes(ins: Instruction, shapes: dict, comps: dict) -> int:
     """HBM bytes a launch reads and writes. A fused parameter read through slices only (a layer's
     weights out of the stacked array, z out of the in_proj output) counts as its slices; a
     dynamic-update-slice root writes its update in place and does not read the buffer it updates."""
-    fused = re.search(r"calls=%([\w.\-]+)", ins.attrs) if ins.op == "fusion" else None
+    fused = re.search(r"calls=%([\w.\-]+)", ins.attrs) if ins.op in ("fusion", "fusion-start") else None
     body = comps.get(fused.group(1), []) if fused else []
     by_name = {i.name: i for i in body}
     users: dict[str, list] = {}
@@ -173,7 +176,9 @@ def launch_bytes(ins: Instruction, shapes: dict, comps: dict) -> int:
     roots = [by_name[o] for o in root.operands] if root is not None and root.op == "tuple" else [root]
     updated, written = set(), 0
     for r in roots:
-        if r is not None and r.op == "dynamic-update-slice":
+        if r is not None and _is_cublas(r):  # its second result is the workspace, scratch rather than traffic
+            written += shape_bytes(SHAPE.search(r.shape).group(0))
+        elif r is not None and r.op == "dynamic-update-slice":
             written += shape_bytes(by_name[r.operands[1]].shape) if r.operands[1] in by_name else 0
             updated.add(r.operands[0])
         elif r is not None:
@@ -181,10 +186,15 @@ def launch_bytes(ins: Instruction, shapes: dict, comps: dict) -> int:
     if root is None:
         # a cuBLAS call's second result is its workspace, scratch rather than traffic
         written = shape_bytes(SHAPE.search(ins.shape).group(0) if kind(ins) == "gemm" else ins.shape)
+    in_place = _entry_updates(ins)
+    for out, _ in in_place.items():
+        written -= _entry_share(SHAPE.findall(ins.shape)[out])
     params = {int(i.args): i.name for i in body if i.op == "parameter"}
     read = 0
     for k, operand in enumerate(ins.operands):
         full = shape_bytes(shapes.get(operand, ""))
+        if k in in_place.values():
+            full -= _entry_share(SHAPE.search(shapes.get(operand, "")).groups())
         pname = params.get(k)
         if pname is None:
             read += full
@@ -196,18 +206,58 @@ def launch_bytes(ins: Instruction, shapes: dict, comps: dict) -> int:
     return read + written
 
 
-def kind(ins: Instruction) -> str:
-    """gemm, kernel (a Pallas kernel), copy (a weight slice copied out of the stacked layers) or glue."""
+def _entry_updates(ins: Instruction) -> dict[int, int]:
+    """{result index: operand index} of a Pallas kernel's results aliased to an operand: in this
+    project, the stack of every layer's states that the kernel updates in place (`StateSlot`)."""
+    if kind(ins) != "kernel":
+        return {}
+    _, key, aliases = ins.attrs.partition("output_to_operand_aliasing=")
+    aliases = aliases[: aliases.find(")}") + 2] if key else ""  # {{1}: (7, {}), ...}
+    return {int(out or 0): int(operand) for out, operand in re.findall(r"\{(\d*)\}: \((\d+), \{\}\)", aliases)}
+
+
+def _entry_share(dtype_dims: tuple[str, str]) -> int:
+    """Bytes of a stack [n_layers, ...] beyond the one entry that an in-place update moves."""
+    dims = [int(d) for d in dtype_dims[1].split(",") if d]
+    n = 1
+    for d in dims:
+        n *= d
+    return (n - n // dims[0]) * ITEMSIZE[dtype_dims[0]] if dims else 0
+
+
+def _called(ins: Instruction, comps: dict | None) -> list[Instruction]:
+    """The body of the computation a fusion calls ([] when there is none)."""
+    called = re.search(r"calls=%([\w.\-]+)", ins.attrs)
+    return (comps or {}).get(called.group(1) if called else "", [])
+
+
+def _copied(ins: Instruction, comps: dict) -> str:
+    """The shape a copy writes: its result, or an async copy's slice (its start's result is a tuple
+    of its operands, the slice and a token)."""
+    return _called(ins, comps)[-1].shape if ins.op == "fusion-start" else ins.shape
+
+
+def _is_cublas(ins: Instruction) -> bool:
+    return ins.op == "custom-call" and "cublas" in ins.attrs.lower()
+
+
+def kind(ins: Instruction, comps: dict | None = None) -> str:
+    """gemm, kernel (a Pallas kernel), copy (a weight slice copied out of the stacked layers) or
+    glue. `comps` (the program's computations) tells a dynamic_slice_fusion around a cuBLAS call
+    (a GEMM reading its weights in place) from one that only copies the slice."""
     a = ins.attrs
     if ins.op == "custom-call":
         if "__gpu$xla.gpu.triton" in a:
             return "kernel"
-        return "gemm" if "cublas" in a.lower() else "glue"
+        return "gemm" if _is_cublas(ins) else "glue"
+    if ins.op == "fusion-start":  # an async fusion: jax 0.11 copies some weight slices this way
+        body = _called(ins, comps)
+        return "copy" if body and body[-1].op == "dynamic-slice" else "glue"
     if ins.op == "fusion":
         if '"__triton_gemm"' in a or "calls=%gemm_fusion" in a or "cublas" in a.lower():
             return "gemm"
         if '"dynamic_slice_fusion"' in a:
-            return "copy"
+            return "gemm" if any(_is_cublas(i) for i in _called(ins, comps)) else "copy"
     return "glue"
 
 
@@ -221,8 +271,8 @@ def traffic(hlo: str) -> dict:
         for ins in comps[comp]:
             if ins.op in FREE_OPS:
                 continue
-            k = kind(ins)
-            moved = 2 * shape_bytes(ins.shape) if k == "copy" else launch_bytes(ins, shapes, comps)
+            k = kind(ins, comps)
+            moved = 2 * shape_bytes(_copied(ins, comps)) if k == "copy" else launch_bytes(ins, shapes, comps)
             out[k] += moved * times
             if k == "glue":
                 out["glue_launches"] += times

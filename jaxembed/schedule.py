@@ -21,6 +21,7 @@ from jax import lax
 
 from jaxembed import models
 from jaxembed.errors import check_positive_int
+from jaxembed.ops.common import StateSlot
 from jaxembed.runtime import Runtime
 
 F32 = jnp.float32
@@ -124,13 +125,19 @@ def run_layers(cfg, layer_params, x, states=None, *, runtime: Runtime):
         x, _ = lax.scan(fresh, x, (scanned, jnp.arange(n_layers)))
         return x, None
 
+    in_place = family.STATES_IN_PLACE
+
     def carried(carry, inputs):
         x, states = carry
         scanned_l, layer = inputs
-        state_l = jax.tree.map(lambda s: lax.dynamic_index_in_dim(s, layer, keepdims=False), states)
+        # a field in STATES_IN_PLACE goes to the layer as its slot in the stack, and comes back as
+        # the updated stack; every other one is copied out of its stack and back
+        slots = [StateSlot(s, layer) for s in states]
+        state_l = type(states)(*(slot if field in in_place else slot.read()
+                                 for field, slot in zip(states._fields, slots, strict=True)))
         x, state_l = apply_layer(x, scanned_l, layer, state_l)
-        states = jax.tree.map(lambda s, new: lax.dynamic_update_index_in_dim(s, new.astype(s.dtype), layer, 0),
-                              states, state_l)
+        states = type(states)(*(new.stacked if field in in_place else slot.write(new).stacked
+                                for field, slot, new in zip(states._fields, slots, state_l, strict=True)))
         return (x, states), None
 
     (x, states), _ = lax.scan(carried, (x, states), (scanned, jnp.arange(n_layers)))

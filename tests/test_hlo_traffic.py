@@ -163,3 +163,66 @@ def test_the_union_of_slices_counts_each_element_once():
     assert union([[(0, 512), (2048, 4096)], [(0, 64), (0, 1024)], [(10, 20), (2100, 2200)]]) == 512 * 2048 + 64 * 1024
     # two boxes overlapping in a corner
     assert union([[(0, 4), (0, 4)], [(2, 6), (2, 6)]]) == 16 + 16 - 4
+
+
+IN_PLACE = """\
+HloModule jit_slot, is_scheduled=true
+
+ENTRY %main (x: bf16[32,64], stack: f32[4,8,16], layer: s32[1]) -> (bf16[32,64], f32[4,8,16]) {
+  %x = bf16[32,64]{1,0} parameter(0)
+  %stack = f32[4,8,16]{2,1,0} parameter(1)
+  %layer = s32[1]{0} parameter(2)
+  ROOT %pallas_call = (bf16[32,64]{1,0}, f32[4,8,16]{2,1,0}) custom-call(%x, %stack, %layer), custom_call_target="__gpu$xla.gpu.triton", output_to_operand_aliasing={{1}: (1, {})}, backend_config={"name":"ssd_chunked"}
+}
+"""
+
+
+def test_a_kernel_updating_a_stack_in_place_moves_one_entry():
+    """A Pallas kernel whose result aliases its stack of per-layer states (a `StateSlot`) reads
+    and writes one layer's entry of it, not the stack."""
+    t = hlo_traffic.traffic(IN_PLACE)
+    entry = 8 * 16 * 4
+    assert t["kernel"] == (32 * 64 * 2 + entry + 4) + (32 * 64 * 2 + entry)
+    # without the alias the whole stack counts both ways
+    whole = hlo_traffic.traffic(IN_PLACE.replace("output_to_operand_aliasing={{1}: (1, {})}, ", ""))
+    assert whole["kernel"] == t["kernel"] + 2 * 3 * entry
+
+
+def test_a_gemm_reading_its_weight_slice_in_place_is_a_gemm_not_a_copy():
+    """jax 0.11's XLA folds the weight's dynamic slice into the cuBLAS call (a dynamic_slice_fusion
+    holding the GEMM): one GEMM reading the layer's slice in place, no copy, and its workspace is
+    no traffic."""
+    folded = HLO.replace("""  ROOT %copy = bf16[1,1024,2048]{2,1,0} copy(%ds)
+}""", """  %ds_b = bf16[1024,2048]{1,0} bitcast(%ds)
+  %param_2 = bf16[256,1024]{1,0} parameter(2)
+  ROOT %gemm_in = (bf16[256,2048]{1,0}, s8[4194304]{0}) custom-call(%param_2, %ds_b), custom_call_target="__cublas$lt$matmul"
+}""").replace("(param_0: bf16[4,1024,2048], param_1: s32[]) -> bf16[1,1024,2048]",
+              "(param_0: bf16[4,1024,2048], param_1: s32[], param_2: bf16[256,1024]) -> (bf16[256,2048], s8[4194304])")
+    folded = folded.replace("""  %w_l = bf16[1,1024,2048]{2,1,0} fusion(%w, %i)""", """  %gemm = (bf16[256,2048]{1,0}, s8[4194304]{0}) fusion(%w, %i, %x)""")
+    folded = "\n".join(line for line in folded.splitlines()
+                       if not line.lstrip().startswith(("%w_b =", "%gemm = (bf16[256,2048]{1,0}, s8[4194304]{0}) custom")))
+    assert folded.count("%gemm =") == 1 and "copy(%ds)" not in folded
+    t, before = hlo_traffic.traffic(folded), hlo_traffic.traffic(HLO)
+    assert t["copy"] == 0
+    # x, the layer's weight slice, the result; and the layer index it reads the slice at
+    assert t["gemm"] == before["gemm"] + 4 * 4 == 4 * (256 * 1024 * 2 + 1024 * 2048 * 2 + 256 * 2048 * 2 + 4)
+    assert (t["kernel"], t["glue"]) == (before["kernel"], before["glue"])
+
+
+def test_an_async_weight_slice_copy_counts_once_as_a_copy():
+    """jax 0.11 copies some weight slices by an async fusion (fusion-start ... fusion-done): one
+    copy of the layer's slice, counted at its start; the done only waits for it."""
+    lines = []
+    for line in HLO.splitlines():
+        if line.startswith("  ROOT %copy = bf16[1,1024,2048]"):
+            lines[-1] = lines[-1].replace("%ds = ", "ROOT %ds = ")
+            continue
+        if line.lstrip().startswith("%w_l = "):
+            line = ("  %w_s = ((bf16[4,1024,2048]{2,1,0}, s32[]), bf16[1,1024,2048]{2,1,0}, u32[]) fusion-start(%w, %i), "
+                    "kind=kLoop, calls=%fused_weight_slice\n"
+                    "  %w_l = bf16[1,1024,2048]{2,1,0} fusion-done(%w_s)")
+        lines.append(line)
+    t, before = hlo_traffic.traffic("\n".join(lines)), hlo_traffic.traffic(HLO)
+    assert t["copy"] == before["copy"] == 4 * 2 * (1024 * 2048 * 2)
+    assert (t["gemm"], t["kernel"], t["glue"], t["glue_launches"]) == (
+        before["gemm"], before["kernel"], before["glue"], before["glue_launches"])

@@ -9,6 +9,7 @@ One jit per (kernel, dtype) computes outputs and gradients together: interpret m
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -22,6 +23,7 @@ from jax.experimental import pallas as pl
 from jaxembed import kernels
 from jaxembed.kernels import BlockSizes, heuristic
 from jaxembed.ops import mlstm, ssd, wkv7
+from jaxembed.ops.common import StateSlot
 from jaxembed.testing import hf_last_hidden, rel_err
 
 # Kernel vs reference on the same (rounded) inputs: float32 is exact up to summation order; bfloat16
@@ -255,6 +257,39 @@ def test_ssd_convolving_raw_x_in_the_kernel_matches_the_recurrence(dtype):
         np.testing.assert_array_equal(np.asarray(conv_out), np.asarray(conv_ref))
 
 
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+def test_ssd_state_slot_is_read_and_written_in_its_stack(backend):
+    """A `StateSlot` initial state (layer l's entry of every layer's states, as the vertical
+    scheduler carries them): the final state lands in entry l, equal to the recurrence's from that
+    entry, and every other entry is left exactly as it was; y is the recurrence's. One segment
+    runs the kernel in place in the stack, two copy the entry out and back."""
+    rng = np.random.default_rng(next(_draws))
+    b, h, p, g, n, k, t = 2, 4, 16, 2, 16, 4, 37
+    e, conv_dim = h * p, h * p + 2 * g * n
+    A, D, dt_bias = -jnp.exp(_normal(rng, (h,))), _normal(rng, (h,)), _normal(rng, (h,), 0.5)
+    w, bias = _normal(rng, (k, conv_dim), 0.5), _normal(rng, (conv_dim,), 0.3)
+    proj = _normal(rng, (b, t, e + conv_dim + h))
+    conv_state = _normal(rng, (b, k - 1, conv_dim))
+    stack = _normal(rng, (3, b, h, p, n))
+    layer = 1
+    y_ref, _, s_ref = _conv_then_recurrence(proj, conv_state, w, bias, A, D, dt_bias, stack[layer], offset=e, h=h,
+                                            p=p, g=g, n=n)
+    @functools.partial(jax.jit, static_argnums=2)
+    def run(stack, layer, segments):
+        return kernels.ssd_conv_chunked(
+            proj, A, conv_state, w, bias, offset=e, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8, D=D,
+            dt_bias=dt_bias, initial_state=StateSlot(stack, layer), backend=backend,
+            blocks=BlockSizes(chunk=16, value_block=16, segments=segments))
+
+    for segments in (1, 2):
+        y, _, slot = run(stack, jnp.int32(layer), segments)
+        assert isinstance(slot, StateSlot) and slot.stacked.shape == stack.shape
+        assert rel_err(y, y_ref) < KERNEL_TOLERANCE["float32"], segments
+        assert rel_err(slot.stacked[layer], s_ref) < KERNEL_TOLERANCE["float32"], segments
+        for other in (0, 2):
+            np.testing.assert_array_equal(np.asarray(slot.stacked[other]), np.asarray(stack[other]))
+
+
 def test_conv_ssd_reads_the_projection_in_place_at_codestral_shapes():
     """The layer's call at Codestral Mamba 7B's dims, lowered for CUDA from shapes: the kernel's x
     operand is in_proj's output itself, unpadded at an odd length (no copy of it and no conv output
@@ -274,6 +309,17 @@ def test_conv_ssd_reads_the_projection_in_place_at_codestral_shapes():
         assert len(calls) == kernel_calls, (b, t)
         for line in calls:
             assert line.rsplit(": (", 1)[1].startswith(f"tensor<{b}x{t}x{width}xbf16>"), line[-300:]
+    # a StateSlot at batch 8 (one segment): the kernel takes the whole stack of 3 layers' states and
+    # its final-state result aliases it, with no slice of the stack around the call
+    lowered = jax.jit(lambda proj, cs, w, bias, A, D, stack, layer: k_ssd.conv_chunked(
+        proj, A, cs, w, bias, offset=h * p, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=256, D=D,
+        dt_bias=D, initial_state=StateSlot(stack, layer))[2].stacked).trace(
+        S((8, 4096, width), jnp.bfloat16), S((8, 3, conv_dim), jnp.float32), S((4, conv_dim), jnp.bfloat16),
+        S((conv_dim,), jnp.bfloat16), S((h,), jnp.float32), S((h,), jnp.float32), S((3, 8, h, p, n), jnp.float32),
+        S((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    (call,) = [line for line in lowered.splitlines() if "xla.gpu.triton" in line and "custom_call" in line]
+    assert "output_operand_aliases" in call and f"tensor<3x8x{h}x{p}x{n}xf32>" in call.rsplit(": (", 1)[1], call[-400:]
+    assert "dynamic_slice" not in lowered and "dynamic_update_slice" not in lowered
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -417,6 +463,24 @@ def test_tail_and_single_token():
         assert rel_err(y, y_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
 
 
+@contextlib.contextmanager
+def _recorded_aliases():
+    """The input_output_aliases of every kernel launch traced inside."""
+    from jaxembed.kernels import common
+
+    aliased, call = [], common.call
+
+    def spy(*args, input_output_aliases=None, **kwargs):
+        aliased.append(dict(input_output_aliases or {}))
+        return call(*args, input_output_aliases=input_output_aliases, **kwargs)
+
+    common.call = spy
+    try:
+        yield aliased
+    finally:
+        common.call = call
+
+
 def test_embed_with_interpreted_kernels_matches_transformers(hf_model_dir):
     """The model path through the dispatch: `kernels="interpret"` against transformers' Mamba2,
     horizontal and vertically chunked."""
@@ -428,8 +492,11 @@ def test_embed_with_interpreted_kernels_matches_transformers(hf_model_dir):
     seqs = [list(rng.integers(0, 300, n)) for n in (5, 29)]
     ref = hf_last_hidden(model, seqs)
     for v in (None, 16):
-        out = emb.encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=v, batch_size=2)
+        with _recorded_aliases() as aliased:
+            out = emb.encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=v, batch_size=2)
         assert rel_err(out, ref) < 1e-4, (v, rel_err(out, ref))
+        # vertically, the SSD kernel updates each layer's SSM state in the carried stack in place
+        assert any(aliased) == (v is not None), (v, aliased)
     # one sequence of 531 tokens is 9 or more kernel chunks of 64 for a grid of a few programs: the
     # SSD kernel splits it into sequence segments
     long = [list(rng.integers(0, 300, 531))]

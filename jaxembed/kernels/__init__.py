@@ -14,9 +14,12 @@ old choice and nothing is read from module state or the environment while JAX tr
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from jaxembed.kernels.common import BlockSizes, heuristic
+from jaxembed.ops.common import through_slot
 
 BACKENDS = ("auto", "pallas", "interpret", "xla")
 
@@ -38,24 +41,27 @@ def resolve(backend: str) -> str:
     return backend
 
 
-def _dispatch(name: str, form: str = "chunked"):
+def _dispatch(name: str, form: str = "chunked", *, slots: bool = False):
+    """The operator `form` of family `name`. An `initial_state` may be an `ops.common.StateSlot`;
+    with `slots` the kernel reads and writes it in place, elsewhere it is read and written back."""
     import importlib
 
     def op(*args, backend: str, blocks: BlockSizes | None = None, **kwargs):
         chosen = resolve(backend)
         if chosen == "xla":
-            return getattr(importlib.import_module(f"jaxembed.ops.{name}"), form)(*args, **kwargs)
-        kernel = importlib.import_module(f"jaxembed.kernels.{name}")
-        return getattr(kernel, form)(*args, blocks=blocks, interpret=chosen == "interpret", **kwargs)
+            return through_slot(getattr(importlib.import_module(f"jaxembed.ops.{name}"), form), *args, **kwargs)
+        kernel = getattr(importlib.import_module(f"jaxembed.kernels.{name}"), form)
+        return (kernel if slots else functools.partial(through_slot, kernel))(
+            *args, blocks=blocks, interpret=chosen == "interpret", **kwargs)
 
     op.__name__ = f"{name}_{form}"
     op.__doc__ = f"`ops.{name}.{form}` or its Pallas kernel, as `resolve(backend)` decides."
     return op
 
 
-ssd_chunked = _dispatch("ssd")
-ssd_chunked_xbc = _dispatch("ssd", "chunked_xbc")
-ssd_conv_chunked = _dispatch("ssd", "conv_chunked")
+ssd_chunked = _dispatch("ssd", slots=True)
+ssd_chunked_xbc = _dispatch("ssd", "chunked_xbc", slots=True)
+ssd_conv_chunked = _dispatch("ssd", "conv_chunked", slots=True)
 wkv7_chunked = _dispatch("wkv7")
 mlstm_chunked = _dispatch("mlstm")
 

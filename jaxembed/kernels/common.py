@@ -140,7 +140,8 @@ def check_blocks(blocks: BlockSizes, value_dim: int) -> BlockSizes:
     return dataclasses.replace(blocks, value_block=min(blocks.value_block, padded(value_dim)))
 
 
-def call(kernel, *, grid, in_specs, out_specs, out_shape, blocks: BlockSizes, interpret: bool, name: str):
+def call(kernel, *, grid, in_specs, out_specs, out_shape, blocks: BlockSizes, interpret: bool, name: str,
+         input_output_aliases=None):
     """`pl.pallas_call` with the Triton lowering on GPU, or the interpreter."""
     params = None
     if not interpret:
@@ -148,7 +149,8 @@ def call(kernel, *, grid, in_specs, out_specs, out_shape, blocks: BlockSizes, in
 
         params = pl_triton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          interpret=interpret, compiler_params=params, name=name)
+                          interpret=interpret, compiler_params=params, name=name,
+                          input_output_aliases=input_output_aliases or {})
 
 
 def with_reference_vjp(forward, reference):

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jaxembed.kernels import common
 from jaxembed.ops import common as ops_common
 from jaxembed.ops import ssd as ref
+from jaxembed.ops.common import StateSlot, through_slot
 
 F32 = jnp.float32
 
@@ -115,10 +116,22 @@ def _for(lo, hi, body, S):
     return lax.fori_loop(lo, hi, body, S)
 
 
-def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref, *refs, L, chunks, segments, xconv):
+def _state_tile(layer_ref, pb: int):
+    """Where this program's [pb, n] state tile is in the state refs: their whole block, or with
+    `layer_ref` (an in-place `StateSlot`: the refs hold every layer's state [n_layers, b, h, p, n])
+    in layer `layer_ref[0]`'s entry."""
+    if layer_ref is None:
+        return ...
+    return layer_ref[0], pl.program_id(0), pl.program_id(1), pl.ds(pl.program_id(2) * pb, pb), slice(None)
+
+
+def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref, *refs, L, chunks, segments, xconv,
+            in_place):
     """Segment `program_id(3)` of the sequence (all of it when segments == 1): `chunks` chunks from
     the state entering the segment, which is the initial state carried through the segments before
-    it by their own end states (`_segment_state_kernel`) and decays."""
+    it by their own end states (`_segment_state_kernel`) and decays. `in_place`: the state refs are
+    one buffer, the stack of every layer's state, and `layer_ref` says which layer's entry to use."""
+    layer_ref, refs = (refs[0], refs[1:]) if in_place else (None, refs)
     conv_refs, refs = (refs[:4], refs[4:]) if xconv is not None else ((), refs)
     if segments > 1:
         seg_decay_ref, seg_state_ref, y_ref, s_ref = refs
@@ -139,12 +152,13 @@ def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref,
         y_ref[t, :] = y.astype(y_ref.dtype)
         return _state_step(S, x, Bc, dt, a_cum, a_to_end)
 
-    S, first = s0_ref[...], 0
+    tile = _state_tile(layer_ref, x_ref.shape[-1])
+    S, first = s0_ref[tile], 0
     if segments > 1:
         segment = pl.program_id(3)
         S = lax.fori_loop(0, segment, lambda j, S: jnp.exp(seg_decay_ref[j]) * S + seg_state_ref[j], S)
         first = segment * chunks
-    s_ref[...] = _walk_x(x_ref, conv_refs, xconv, L=L, first=first, chunks=chunks, step=chunk, S=S)
+    s_ref[tile] = _walk_x(x_ref, conv_refs, xconv, L=L, first=first, chunks=chunks, step=chunk, S=S)
 
 
 def _segment_state_kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, *refs, L, chunks, xconv):
@@ -183,19 +197,26 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
     in columns [gg*N, (gg+1)*N) after offsets[1] / offsets[2] blocks of N columns. They may be
     one array (the packed xbc). With `x_conv` = (head, tail, conv weight, conv bias), x3 is raw x
     of t rows, convolved in the kernel (`XConv`; head and tail [b, rows, h*p], weight [k, >= h*p],
-    bias [>= h*p]). Returns (y [b, t, h, p], final state [b, h, p, n])."""
+    bias [>= h*p]). Returns (y [b, t, h, p], final state [b, h, p, n]). A `StateSlot` state is read
+    and written in place in its stack when the kernel can address it there (one segment, no
+    padding), else copied out and back; the final state is then the slot."""
     b = x3.shape[0]
     r = h // g
     L, pb = blocks.chunk, blocks.value_block
     P, N = common.padded(p), common.padded(n)
     vb = P // pb  # value blocks per head
     segments, chunks, T = common.segment_layout(blocks, programs=b * h * vb, t=t)
+    in_place = isinstance(state, StateSlot)
+    if in_place and not (segments == 1 and (P, N) == (p, n) and state.stacked.dtype == F32):
+        y, end = _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state.read().astype(F32), t=t, h=h, p=p, g=g, n=n,
+                         dt_limit=dt_limit, blocks=blocks, interpret=interpret, x_conv=x_conv)
+        return y, state.write(end)
     dt, a_cum, a_to_end, segment_decay = _per_head_decays(dt, A, dt_bias, dt_limit=dt_limit, L=L, T=T,
                                                           segments=segments)
     B3, C3 = (common.pad_axis(v, 1, T) for v in (B3, C3))
     x3 = common.pad_axis(x3, 1, T) if x_conv is None else x3
     Dp = common.pad_axis(jnp.broadcast_to((D[:, None] if D.ndim == 1 else D).astype(F32), (h, p)), 1, P)
-    s0 = common.pad_axis(common.pad_axis(state, 2, P), 3, N)
+    s0 = state.stacked if in_place else common.pad_axis(common.pad_axis(state, 2, P), 3, N)
     x_off, B_off, C_off = offsets
 
     x_spec = pl.BlockSpec((None, x3.shape[1], pb), lambda i, j, k, s: (i, 0, x_off + j * vb + k))
@@ -211,6 +232,8 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
     B_spec = pl.BlockSpec((None, T, N), lambda i, j, k, s: (i, 0, B_off + j // r))
     C_spec = pl.BlockSpec((None, T, N), lambda i, j, k, s: (i, 0, C_off + j // r))
     st = pl.BlockSpec((None, None, pb, N), lambda i, j, k, s: (i, j, k, 0))
+    whole = pl.BlockSpec()  # the kernel indexes it itself (`_state_tile`)
+    state_specs, state_args = ([whole, whole], [s0, state.layer.astype(jnp.int32)[None]]) if in_place else ([st], [s0])
     seg_st = pl.BlockSpec((None, None, None, pb, N), lambda i, j, k, s: (i, j, s, k, 0))
     extra_specs, extra_args = [], []
     if segments > 1:
@@ -225,18 +248,20 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
                        pl.BlockSpec((None, None, segments - 1, pb, N), lambda i, j, k, s: (i, j, 0, k, 0))]
         extra_args = [segment_decay, seg_states]
     y, ends = common.call(
-        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments, xconv=xconv),
+        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments, xconv=xconv, in_place=in_place),
         grid=(b, h, vb, segments),
         in_specs=[x_spec, per_head, per_head, per_head, B_spec, C_spec,
-                  pl.BlockSpec((None, pb), lambda i, j, k, s: (j, k)), st, *conv_specs, *extra_specs],
+                  pl.BlockSpec((None, pb), lambda i, j, k, s: (j, k)), *state_specs, *conv_specs, *extra_specs],
         # y time-major with the heads as column blocks [b, T, h*P], the layout of the gated norm that
         # reads it: written [b, T, h, P], XLA converted it to float32 in a pass of its own before the
         # norm (1.5 GB per Codestral layer at 32k tokens; benchmarks/gpu_program.py)
-        out_specs=[pl.BlockSpec((None, T, pb), lambda i, j, k, s: (i, 0, j * vb + k)), seg_st],
-        out_shape=[jax.ShapeDtypeStruct((b, T, h * P), x3.dtype), jax.ShapeDtypeStruct((b, h, segments, P, N), F32)],
-        blocks=blocks, interpret=interpret, name="ssd_chunked",
-    )(x3, dt, a_cum, a_to_end, B3, C3, Dp, s0, *conv_args, *extra_args)
-    return y.reshape(b, T, h, P)[:, :t, :, :p], ends[:, :, -1, :p, :n]
+        out_specs=[pl.BlockSpec((None, T, pb), lambda i, j, k, s: (i, 0, j * vb + k)), whole if in_place else seg_st],
+        out_shape=[jax.ShapeDtypeStruct((b, T, h * P), x3.dtype),
+                   jax.ShapeDtypeStruct(s0.shape if in_place else (b, h, segments, P, N), F32)],
+        blocks=blocks, interpret=interpret, name="ssd_chunked", input_output_aliases={7: 1} if in_place else None,
+    )(x3, dt, a_cum, a_to_end, B3, C3, Dp, *state_args, *conv_args, *extra_args)
+    y = y.reshape(b, T, h, P)[:, :t, :, :p]
+    return (y, StateSlot(ends, state.layer)) if in_place else (y, ends[:, :, -1, :p, :n])
 
 
 def _forward(x, dt, A, B, C, D, dt_bias, state, *, dt_limit, blocks, interpret):
@@ -273,8 +298,8 @@ def _differentiable(chunk_size, dt_limit, blocks, interpret):
         return _forward(x, dt, A, B, C, D, dt_bias, state, dt_limit=dt_limit, blocks=blocks, interpret=interpret)
 
     def reference(x, dt, A, B, C, D, dt_bias, state):
-        return ref.chunked(x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_limit=dt_limit,
-                           initial_state=state)
+        return through_slot(ref.chunked, x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
+                            dt_limit=dt_limit, initial_state=state)
 
     return common.with_reference_vjp(forward, reference)
 
@@ -288,8 +313,8 @@ def _differentiable_xbc(chunk_size, dims, dt_limit, blocks, interpret):
                             dt_limit=dt_limit, blocks=blocks, interpret=interpret)
 
     def reference(xbc, dt, A, D, dt_bias, state):
-        return ref.chunked_xbc(xbc, dt, A, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=chunk_size, D=D,
-                               dt_bias=dt_bias, dt_limit=dt_limit, initial_state=state)
+        return through_slot(ref.chunked_xbc, xbc, dt, A, heads=h, head_dim=p, groups=g, state_size=n,
+                            chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_limit=dt_limit, initial_state=state)
 
     return common.with_reference_vjp(forward, reference)
 
@@ -377,9 +402,9 @@ def _differentiable_conv(chunk_size, offset, dims, dt_limit, blocks, interpret):
                              dims=dims, dt_limit=dt_limit, blocks=blocks, interpret=interpret)
 
     def reference(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state):
-        return ref.conv_chunked(proj, A, conv_state, conv_weight, conv_bias, offset=offset, heads=h, head_dim=p,
-                                groups=g, state_size=n, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
-                                dt_limit=dt_limit, initial_state=state)
+        return through_slot(ref.conv_chunked, proj, A, conv_state, conv_weight, conv_bias, offset=offset, heads=h,
+                            head_dim=p, groups=g, state_size=n, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
+                            dt_limit=dt_limit, initial_state=state)
 
     return common.with_reference_vjp(forward, reference)
 

@@ -43,6 +43,10 @@ class Family(Protocol):
 
     Config: ClassVar[type]  # frozen, hashable config dataclass with `architecture`, `chunk_size`, `hidden_size`
     VERTICAL: ClassVar[bool]  # False where there is no constant-size state (attention): horizontal only
+    # State fields that `layer` takes as an `ops.common.StateSlot` (its entry in the stack of every
+    # layer's state) when the scheduler carries states, and returns updated in place; the others it
+    # takes and returns as this layer's arrays.
+    STATES_IN_PLACE: ClassVar[tuple[str, ...]]
     FLOAT32_PARAMS: ClassVar[tuple[str, ...]]  # leaf names kept float32 when the model is cast (decays)
     LINEAR_PARAMS: ClassVar[tuple[str, ...]]  # layer matrices used as x @ W [d_in, d_out] (LoRA / NF4 targets)
 
@@ -60,8 +64,8 @@ class Family(Protocol):
     def logits(self, cfg, params: dict, hidden) -> Any: ...  # [.., d] -> [.., vocab] float32
 
 
-_MEMBERS = ("Config", "VERTICAL", "FLOAT32_PARAMS", "LINEAR_PARAMS", "param_shapes", "init_params", "init_state",
-            "layer", "embed_tokens", "hidden", "final_norm", "logits")
+_MEMBERS = ("Config", "VERTICAL", "STATES_IN_PLACE", "FLOAT32_PARAMS", "LINEAR_PARAMS", "param_shapes", "init_params",
+            "init_state", "layer", "embed_tokens", "hidden", "final_norm", "logits")
 
 
 def names() -> list[str]:

@@ -148,6 +148,7 @@ def param_shapes(cfg: Mamba2Config) -> dict:
 FLOAT32_PARAMS = ("dt_bias", "A_log", "D")
 
 VERTICAL = True  # a constant-size state per layer: vertically chunked inference applies
+STATES_IN_PLACE = ("ssm",)  # the SSM state: the SSD kernel reads and writes it in its stack
 
 
 # Layer matrices used as x @ W [d_in, d_out]: the "all linear layers" that LoRA adapts and NF4 quantises.

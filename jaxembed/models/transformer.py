@@ -35,6 +35,7 @@ from jaxembed.runtime import Runtime
 
 F32 = jnp.float32
 VERTICAL = False  # no constant-size state: the scheduler runs the whole sequence at once
+STATES_IN_PLACE = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -21,10 +24,46 @@ def bmm(a, b, *, transpose_a: bool = False, transpose_b: bool = False):
     return lax.dot_general(a, b, (contract, (batch, batch)), preferred_element_type=F32)
 
 
+class StateSlot(NamedTuple):
+    """Layer `layer`'s state inside the states of every layer, stacked on a leading [n_layers] axis.
+
+    The scheduler passes one for each state field that a family's kernel updates in place
+    (`Family.STATES_IN_PLACE`): the kernel reads and writes the layer's entry of the stack
+    itself, so the program copies no state out of the stack and none back (at batch 32 a
+    Codestral layer's SSM state is 134 MB, copied twice per layer and vertical chunk before).
+    Every other path takes the copy form, `read()` then `write(new)`.
+    """
+    stacked: jax.Array  # [n_layers, ...]
+    layer: jax.Array  # int32 []
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """One layer's state shape."""
+        return tuple(self.stacked.shape[1:])
+
+    def read(self):
+        return lax.dynamic_index_in_dim(self.stacked, self.layer, keepdims=False)
+
+    def write(self, new) -> StateSlot:
+        return StateSlot(lax.dynamic_update_index_in_dim(self.stacked, new.astype(self.stacked.dtype), self.layer, 0),
+                         self.layer)
+
+
+def through_slot(fn, *args, initial_state=None, **kwargs):
+    """fn(*args, initial_state=..., **kwargs), whose last output is the final state, for an
+    initial state that may be a `StateSlot`: the slot's entry is read, and the final state comes
+    back written into it (a `StateSlot`)."""
+    if not isinstance(initial_state, StateSlot):
+        return fn(*args, initial_state=initial_state, **kwargs)
+    *out, state = fn(*args, initial_state=initial_state.read(), **kwargs)
+    return (*out, initial_state.write(state))
+
+
 def initial_state(state, shape: tuple[int, ...]):
-    """The initial state as float32: zeros of `shape` when None, else checked against `shape`."""
+    """The initial state as float32: zeros of `shape` when None, else checked against `shape`. A
+    `StateSlot` of that shape comes back as it is."""
     if state is None:
         return jnp.zeros(shape, F32)
     if tuple(state.shape) != tuple(shape):
         raise ValueError(f"initial_state has shape {tuple(state.shape)}, expected {tuple(shape)}")
-    return state.astype(F32)
+    return state if isinstance(state, StateSlot) else state.astype(F32)
