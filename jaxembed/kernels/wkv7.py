@@ -88,7 +88,8 @@ def _kernel(r_ref, lw_ref, k_ref, v_ref, a_ref, b_ref, s0_ref, *refs, L, chunks,
         r_dec = r * jnp.exp(g)
         M_rb = jnp.where(inclusive, common.dot(r_dec, b_inv, trans_b=True), 0.0)
         M_rk = jnp.where(inclusive, common.dot(r_dec, k_inv, trans_b=True), 0.0)
-        y_ref[t, :] = common.dot(r_dec, S, trans_b=True) + common.dot(M_rb, U) + common.dot(M_rk, v)
+        y = common.dot(r_dec, S, trans_b=True) + common.dot(M_rb, U) + common.dot(M_rk, v)
+        y_ref[t, :] = y.astype(y_ref.dtype)
         return S_next
 
     S, first = s0_ref[...], 0
@@ -161,7 +162,7 @@ def _forward(r, log_w, k, v, a, b, state, *, blocks, interpret):
         grid=(bsz, h, vb, segments),
         in_specs=[keys, keys, keys, values, keys, keys, st, *extra_specs],
         out_specs=[values, pl.BlockSpec((None, None, None, pb, N), lambda i, j, z, s: (i, j, s, z, 0))],
-        out_shape=[jax.ShapeDtypeStruct((bsz, T, h, P), F32), jax.ShapeDtypeStruct((bsz, h, segments, P, N), F32)],
+        out_shape=[jax.ShapeDtypeStruct((bsz, T, h, P), v.dtype), jax.ShapeDtypeStruct((bsz, h, segments, P, N), F32)],
         blocks=blocks, interpret=interpret, name="wkv7_chunked",
     )(rp, lwp, kp, vp, ap, bp, s0, *extra_args)
     return y[:, :t, :, :p], ends[:, :, -1, :p, :n]
@@ -181,7 +182,7 @@ def _differentiable(chunk_size, blocks, interpret):
 def chunked(r, log_w, k, v, a, b, *, chunk_size: int, initial_state=None, blocks: common.BlockSizes | None = None,
             interpret: bool = False):
     """`ops.wkv7.chunked` computed by the Pallas kernel; gradients are `jax.vjp` of the reference
-    (run with chunk_size). Returns (y [b, t, h, p] float32, final state [b, h, p, n] float32)."""
+    (run with chunk_size). Returns (y [b, t, h, p] in v's dtype, final state [b, h, p, n] float32)."""
     state = ref._check(r, log_w, k, v, a, b, initial_state)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not 1 <= chunk_size <= ref.MAX_CHUNK:
         raise ValueError(f"chunk_size must be an int in [1, {ref.MAX_CHUNK}], got {chunk_size!r}")

@@ -110,7 +110,7 @@ class Stream(NamedTuple):
     """What flows between layers."""
 
     x: jax.Array  # [b, t, d] residual stream, float32
-    v_first: jax.Array  # [b, t, d] layer 0's values (zeros until layer 0 has run), float32
+    v_first: jax.Array  # [b, t, d] layer 0's values (zeros until layer 0 has run), in the value GEMM's dtype
 
 
 class State(NamedTuple):
@@ -241,9 +241,13 @@ def _linear(x, w, out_dtype=None):
 
 
 def _token_shift(u, prev):
-    """(previous token's u minus u [b, t, d], u at the last token [b, d]); prev [b, d] is u before this block."""
-    shifted = jnp.concatenate([prev[:, None].astype(F32), u[:, :-1]], axis=1)
-    return shifted - u, u[:, -1]
+    """(previous token's u minus u [b, t, d] float32, u at the last token [b, d]); prev [b, d] is u
+    before this block (a state this layer wrote: u's values, exact in u's dtype). A select rather
+    than a concatenation: XLA fuses it into the mixes that read it instead of writing the shifted
+    copy out for every vertical chunk."""
+    first = jnp.arange(u.shape[1])[None, :, None] == 0
+    shifted = jnp.where(first, prev[:, None].astype(u.dtype), jnp.pad(u[:, :-1], ((0, 0), (1, 0), (0, 0))))
+    return shifted.astype(F32) - u.astype(F32), u[:, -1]
 
 
 def _heads(x, cfg):
@@ -278,12 +282,13 @@ def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, r
     # Value residual: layer 0's values are the stream's v_first; later layers mix them in.
     v_gate = jax.nn.sigmoid(p["v0"].astype(F32) + _linear(_linear(xv, p["v1"]), p["v2"]))
     v_first = jnp.where(is_first, v, v_first)
-    v = jnp.where(is_first, v, v + (v_first - v) * v_gate)
+    v = jnp.where(is_first, v, v + (v_first - v) * v_gate).astype(v_first.dtype)  # the GEMMs' dtype
     # log w in [-exp(-1/2), 0], the range ops/wkv7.chunked's exponent bound relies on
     log_w = -math.exp(-0.5) * jax.nn.sigmoid(p["w0"].astype(F32) + w_lora)
 
     # the operator computes in float32 whatever its inputs' dtype: r, k, v, a and b go in the
-    # activation dtype (half the bytes in bf16, as BlinkDL's and fla's kernels take them), log w in float32
+    # activation dtype (half the bytes in bf16, as BlinkDL's and fla's kernels take them), log w in
+    # float32; y comes back in v's dtype
     act = r.dtype
     rh, kh, vh, ah = (_heads(x, cfg) for x in (r, k, v, a))
     y, wkv_state = kernels.wkv7_chunked(rh, _heads(log_w, cfg), kh.astype(act), vh.astype(act), (-kk).astype(act),
@@ -313,18 +318,24 @@ def layer(cfg: RWKV7Config, p: dict, stream: Stream, state: State, *, runtime: R
     """One block: x + time_mix(ln1(x)), then + channel_mix(ln2(x)). `index` (the layer number, traced
     inside the scheduler's scan) selects layer 0's value-residual role without a Python branch."""
     x, v_first = stream
-    att, shift_att, wkv_state, v_first = time_mix(
-        cfg, p, layer_norm(x, p["ln1_weight"], p["ln1_bias"], cfg.norm_eps), state, v_first, index == 0,
-        runtime=runtime)
+    # the normalised inputs in the activation dtype, as BlinkDL's bf16 modules keep them: each is
+    # read by 6 (time mix) or 1 (channel mix) token-shift mixes, each feeding its own GEMM
+    def normalised(x, name):  # written once (the barrier): XLA would recompute the norm in each mix
+        return jax.lax.optimization_barrier(
+            layer_norm(x, p[name + "_weight"], p[name + "_bias"], cfg.norm_eps).astype(p["receptance"].dtype))
+
+    att, shift_att, wkv_state, v_first = time_mix(cfg, p, normalised(x, "ln1"), state, v_first, index == 0,
+                                                  runtime=runtime)
     x = x + att
-    ffn, shift_ffn = channel_mix(p, layer_norm(x, p["ln2_weight"], p["ln2_bias"], cfg.norm_eps), state.shift_ffn)
+    ffn, shift_ffn = channel_mix(p, normalised(x, "ln2"), state.shift_ffn)
     return Stream(x + ffn, v_first), State(shift_att, wkv_state, shift_ffn)
 
 
 def embed_tokens(cfg: RWKV7Config, params: dict, ids) -> Stream:
-    """ids [b, t] -> Stream(ln0(embedding[ids]) [b, t, d] float32, zeros for v_first)."""
+    """ids [b, t] -> Stream(ln0(embedding[ids]) [b, t, d] float32, zeros for v_first in the value
+    GEMM's dtype, which writes it at layer 0)."""
     x = layer_norm(jnp.take(params["embedding"], ids, axis=0), params["ln0_weight"], params["ln0_bias"], cfg.norm_eps)
-    return Stream(x, jnp.zeros_like(x))
+    return Stream(x, jnp.zeros(x.shape, params["layers"]["value"].dtype))
 
 
 def hidden(stream: Stream):

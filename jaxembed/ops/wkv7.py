@@ -17,8 +17,9 @@ Shapes: b batch, t time, c chunks, l/s positions inside a chunk, h heads, n key 
 
     r, log_w, k, a, b [b, t, h, n]      v [b, t, h, p]      state [b, h, p, n] (float32)
 
-Everything is computed in float32 whatever the input dtype, and y is returned in float32 (RWKV7
-group-normalises it next); decays are carried in log space.
+Everything is computed in float32 whatever the input dtype, and y is returned in v's dtype (as
+BlinkDL's kernel writes it: half the bytes of the output, which RWKV7 group-normalises next, in a
+bfloat16 model); decays are carried in log space.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def _check(r, log_w, k, v, a, b, initial_state):
 
 
 def recurrent(r, log_w, k, v, a, b, *, initial_state=None):
-    """The recurrence, one token at a time (`lax.scan` over t). Returns (y [b,t,h,p], state [b,h,p,n])."""
+    """The recurrence, one token at a time (`lax.scan` over t). Returns (y [b,t,h,p] in v's dtype, state
+    [b,h,p,n])."""
     state = _check(r, log_w, k, v, a, b, initial_state)
 
     def step(S, inputs):
@@ -67,7 +69,7 @@ def recurrent(r, log_w, k, v, a, b, *, initial_state=None):
 
     time_major = [jnp.moveaxis(x.astype(F32), 1, 0) for x in (r, log_w, k, v, a, b)]
     state, y = lax.scan(step, state, time_major)
-    return jnp.moveaxis(y, 0, 1), state
+    return jnp.moveaxis(y, 0, 1).astype(v.dtype), state
 
 
 
@@ -161,7 +163,7 @@ def chunk_states(T, H, initial_state):
 
 def chunked(r, log_w, k, v, a, b, *, chunk_size: int, initial_state=None):
     """Chunked WKV7: `chunk_intra` for all chunks at once, `chunk_states` across them, then
-    y = y0 + Qm S_enteringᵀ. Returns (y [b,t,h,p] float32, final state [b,h,p,n]).
+    y = y0 + Qm S_enteringᵀ. Returns (y [b,t,h,p] in v's dtype, final state [b,h,p,n] float32).
 
     Requires log_w in [LOG_W_MIN, 0] (RWKV7's parameterisation guarantees it) and
     chunk_size <= MAX_CHUNK, which bound the factored exponentials (see MAX_CHUNK).
@@ -186,4 +188,4 @@ def chunked(r, log_w, k, v, a, b, *, chunk_size: int, initial_state=None):
     entering, final = chunk_states(T, H, state)
     y = y0 + bmm(Qm, entering, transpose_b=True)  # [b,c,h,l,p]
     y = jnp.moveaxis(y, 2, 3).reshape(bsz, c * chunk_size, h, p)[:, :t]
-    return y, final
+    return y.astype(v.dtype), final
