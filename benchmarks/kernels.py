@@ -119,7 +119,7 @@ def inputs(family, b, t, dtype, key, shape=None):
         kk = nrm(ks[3], (b, t, h, n))
         kk = kk / jnp.linalg.norm(kk, axis=-1, keepdims=True)
         gate = jax.nn.sigmoid(nrm(ks[4], (b, t, h, n)))
-        return dict(r=nrm(ks[0], (b, t, h, n)), log_w=-math.exp(-0.5) * jax.nn.sigmoid(nrm(ks[1], (b, t, h, n))),
+        return dict(r=nrm(ks[0], (b, t, h, n)), w_logit=nrm(ks[1], (b, t, h, n)),
                     k=nrm(ks[2], (b, t, h, n)) * 0.3, v=nrm(ks[5], (b, t, h, p)), a=-kk, b=kk * gate)
     h, dk, dv = s["h"], s["k"], s["v"]
     return dict(q=nrm(ks[0], (b, t, h, dk)).astype(dtype), k=nrm(ks[1], (b, t, h, dk)).astype(dtype),
@@ -132,7 +132,7 @@ def run_op(family, backend, args, chunk, blocks=None):
 
     op = {"ssd": kernels.ssd_chunked, "wkv7": kernels.wkv7_chunked, "mlstm": kernels.mlstm_chunked}[family]
     a = dict(args)
-    pos = [a.pop(k) for k in {"ssd": ("x", "dt", "A", "B", "C"), "wkv7": ("r", "log_w", "k", "v", "a", "b"),
+    pos = [a.pop(k) for k in {"ssd": ("x", "dt", "A", "B", "C"), "wkv7": ("r", "w_logit", "k", "v", "a", "b"),
                               "mlstm": ("q", "k", "v", "i", "f")}[family]]
     return op(*pos, chunk_size=chunk, backend=backend, blocks=blocks, **a)
 
@@ -203,6 +203,8 @@ def peer_fn(family, args, peers):
         except Exception as e:
             return None, f"fla import failed: {type(e).__name__}: {e}"
         bf = {k: v.to(torch.bfloat16) for k, v in ta.items()}  # fla's kernels are made for bf16 inputs
+        # fla takes log w itself: RWKV7's map of the logits (ops.wkv7.log_decay)
+        bf["log_w"] = (-math.exp(-0.5) * torch.sigmoid(ta["w_logit"].float())).to(torch.bfloat16)
         return (lambda: chunk_rwkv7(bf["r"], bf["log_w"], bf["k"], bf["v"], bf["a"], bf["b"], scale=1.0,
                                     output_final_state=True)), "fla chunk_rwkv7 (bf16 in)"
     try:

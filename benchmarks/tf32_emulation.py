@@ -21,7 +21,6 @@ memory). Prints relative errors of y and the final state.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -69,7 +68,7 @@ def inputs(rng, t, slow):
     kk = normal((b, t, h, n))
     kk = kk / jnp.linalg.norm(kk, axis=-1, keepdims=True)
     z = normal((b, t, h, n), 3.0) - (6.0 if slow else 0.0)
-    return (normal((b, t, h, n)), -math.exp(-0.5) * jax.nn.sigmoid(z), normal((b, t, h, n), 0.5), normal((b, t, h, p)),
+    return (normal((b, t, h, n)), z, normal((b, t, h, n), 0.5), normal((b, t, h, p)),  # r, the decay's logits, k, v
             -kk, kk * jax.nn.sigmoid(normal((b, t, h, n)))), jnp.asarray(rng.standard_normal((b, h, p, n)), jnp.float32)
 
 

@@ -55,7 +55,7 @@ def _wkv7_case(rng, dtype):
     kk = kk / jnp.linalg.norm(kk, axis=-1, keepdims=True)
     gate = jax.nn.sigmoid(_normal(rng, (b, t, h, n)))
     args = tuple(a.astype(dtype) for a in (
-        _normal(rng, (b, t, h, n)), -math.exp(-0.5) * jax.nn.sigmoid(_normal(rng, (b, t, h, n))),
+        _normal(rng, (b, t, h, n)), _normal(rng, (b, t, h, n)),  # r, the decay's logits
         _normal(rng, (b, t, h, n), 0.5), _normal(rng, (b, t, h, p)), -kk, kk * gate)) + (
         _normal(rng, (b, h, p, n)),)
 
@@ -362,7 +362,7 @@ def test_wkv7_split_into_sequence_segments_matches_the_recurrence(dtype):
         kk = _normal(rng, (b, t, h, n))
         kk = kk / jnp.linalg.norm(kk, axis=-1, keepdims=True)
         args = [a.astype(dtype) for a in (
-            _normal(rng, (b, t, h, n)), -math.exp(-0.5) * jax.nn.sigmoid(_normal(rng, (b, t, h, n), 3.0)),
+            _normal(rng, (b, t, h, n)), _normal(rng, (b, t, h, n), 3.0),
             _normal(rng, (b, t, h, n), 0.5), _normal(rng, (b, t, h, p)), -kk,
             kk * jax.nn.sigmoid(_normal(rng, (b, t, h, n))))]
         s0 = _normal(rng, (b, h, p, n))

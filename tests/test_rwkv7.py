@@ -41,9 +41,11 @@ chunked = jax.jit(wkv7.chunked, static_argnames="chunk_size")
 # ---- the operator ------------------------------------------------------------------------------
 
 
-def delta_rule_loop(r, log_w, k, v, a, b, S0):
-    """S_t = S_{t-1} diag(w_t) + (S_{t-1} a_t) b_tᵀ + v_t k_tᵀ, y_t = S_t r_t, token by token in float64."""
-    r, log_w, k, v, a, b = (np.asarray(x, np.float64) for x in (r, log_w, k, v, a, b))
+def delta_rule_loop(r, w_logit, k, v, a, b, S0):
+    """S_t = S_{t-1} diag(w_t) + (S_{t-1} a_t) b_tᵀ + v_t k_tᵀ, y_t = S_t r_t, token by token in float64,
+    with RWKV7's decay w = exp(-exp(-1/2) sigmoid(w_logit))."""
+    r, w_logit, k, v, a, b = (np.asarray(x, np.float64) for x in (r, w_logit, k, v, a, b))
+    log_w = -np.exp(-0.5) / (1 + np.exp(-w_logit))
     S = np.array(S0, np.float64)
     y = np.zeros(v.shape)
     for t in range(r.shape[1]):
@@ -55,8 +57,8 @@ def delta_rule_loop(r, log_w, k, v, a, b, S0):
 
 
 def wkv_inputs(seed, t, *, batch=2, heads=2, n=64):
-    """Inputs shaped like RWKV7's: log w = -exp(-1/2) sigmoid(.), a = -kk, b = kk * sigmoid(.), |kk| = 1,
-    plus a random nonzero initial state."""
+    """Inputs shaped like RWKV7's: the decay's logits, a = -kk, b = kk * sigmoid(.), |kk| = 1, plus a
+    random nonzero initial state."""
     rng = np.random.default_rng(seed)
 
     def sigmoid(z):
@@ -65,7 +67,7 @@ def wkv_inputs(seed, t, *, batch=2, heads=2, n=64):
     shape = (batch, t, heads, n)
     kk = rng.standard_normal(shape)
     kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
-    xs = dict(r=rng.standard_normal(shape), log_w=-np.exp(-0.5) * sigmoid(3 * rng.standard_normal(shape)),
+    xs = dict(r=rng.standard_normal(shape), w_logit=3 * rng.standard_normal(shape),
               k=rng.standard_normal(shape), v=rng.standard_normal(shape), a=-kk,
               b=kk * sigmoid(rng.standard_normal(shape)))
     xs = {name: x.astype(np.float32) for name, x in xs.items()}
@@ -98,10 +100,10 @@ def test_wkv7_chunked_continues_from_state():
 
 @pytest.mark.parametrize("decay", ["strongest", "none"])
 def test_wkv7_chunked_at_the_decay_bounds(decay):
-    """log w = -exp(-1/2) at every step (the factored exponentials at their bound, exp(+-38.8) in a chunk of 64)
-    and log w = 0 (no decay): finite and equal to the loop."""
+    """log w = -exp(-1/2) at every step (logits of +inf: the factored exponentials at their bound,
+    exp(+-38.8) in a chunk of 64) and log w = 0 (logits of -inf, no decay): finite and equal to the loop."""
     xs, S0 = wkv_inputs(11, 129)
-    xs["log_w"] = np.full_like(xs["log_w"], -np.exp(-0.5) if decay == "strongest" else 0.0)
+    xs["w_logit"] = np.full_like(xs["w_logit"], np.inf if decay == "strongest" else -np.inf)
     y_ref, S_ref = delta_rule_loop(*xs.values(), S0)
     y, S = chunked(**xs, chunk_size=64, initial_state=S0)
     assert np.isfinite(np.asarray(y)).all()

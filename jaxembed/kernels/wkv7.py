@@ -13,7 +13,7 @@ for a strictly lower-triangular M of size L <= 2^k (M^L = 0): log2(L) pairs of m
 of a row-by-row substitution. Rows of S evolve independently (the transition acts on the key
 side), which is what lets programs split the value dim. Everything is float32, like the
 reference; the in-chunk sums of log decays are float32 adds (no dot, which TF32 would round);
-zero-padded key columns keep log w = 0 and never touch the real columns.
+padded key columns keep log w = 0 (logits of -inf) and never touch the real columns.
 
 With `segments` > 1 (batch 1: too few programs for the GPU) the grid gains a segment axis. The
 state update is linear in S: over a segment, S_end = S_in T_seg + H_seg, with T_seg the product
@@ -69,7 +69,14 @@ def _through_chunk(S, lw, k, v, a, b, masks, L):
     return U, g, b_inv, k_inv, S_next
 
 
-def _kernel(r_ref, lw_ref, k_ref, v_ref, a_ref, b_ref, s0_ref, *refs, L, chunks, segments):
+def _tiles(t, r_ref, w_ref, k_ref, a_ref, b_ref):
+    """Chunk rows t of r, log w (RWKV7's map of the logits, `ops.wkv7.log_decay`), k, a and b,
+    float32 [l, n]."""
+    return (ref.log_decay(ref_[t, :]) if ref_ is w_ref else ref_[t, :].astype(F32)
+            for ref_ in (r_ref, w_ref, k_ref, a_ref, b_ref) if ref_ is not None)
+
+
+def _kernel(r_ref, w_ref, k_ref, v_ref, a_ref, b_ref, s0_ref, *refs, L, chunks, segments):
     """Segment `program_id(3)` of the sequence (all of it when segments == 1): `chunks` chunks from
     the initial state carried through the segments before it by their transitions and own end
     states (`_segment_state_kernel`)."""
@@ -82,7 +89,7 @@ def _kernel(r_ref, lw_ref, k_ref, v_ref, a_ref, b_ref, s0_ref, *refs, L, chunks,
 
     def chunk(c, S):  # S [pb, n]
         t = pl.ds(pl.multiple_of(c * L, L), L)
-        r, lw, k, a, b = (ref_[t, :].astype(F32) for ref_ in (r_ref, lw_ref, k_ref, a_ref, b_ref))  # [l, n]
+        r, lw, k, a, b = _tiles(t, r_ref, w_ref, k_ref, a_ref, b_ref)  # [l, n]
         v = v_ref[t, :].astype(F32)  # [l, pb]
         U, g, b_inv, k_inv, S_next = _through_chunk(S, lw, k, v, a, b, masks, L)
         r_dec = r * jnp.exp(g)
@@ -100,7 +107,7 @@ def _kernel(r_ref, lw_ref, k_ref, v_ref, a_ref, b_ref, s0_ref, *refs, L, chunks,
     s_ref[...] = lax.fori_loop(first, first + chunks, chunk, S)
 
 
-def _segment_state_kernel(lw_ref, k_ref, v_ref, a_ref, b_ref, s_ref, *, L, chunks, value_blocks):
+def _segment_state_kernel(w_ref, k_ref, v_ref, a_ref, b_ref, s_ref, *, L, chunks, value_blocks):
     """Rows of segment `program_id(3)`'s [H; T] (see the module docstring): row blocks below
     `value_blocks` are value rows entered with a zero state, the others rows of the identity
     entered with v = 0 (rows past n stay zero)."""
@@ -114,7 +121,7 @@ def _segment_state_kernel(lw_ref, k_ref, v_ref, a_ref, b_ref, s_ref, *, L, chunk
 
     def chunk(c, S):
         t = pl.ds(pl.multiple_of(c * L, L), L)
-        lw, k, a, b = (ref_[t, :].astype(F32) for ref_ in (lw_ref, k_ref, a_ref, b_ref))
+        lw, k, a, b = _tiles(t, None, w_ref, k_ref, a_ref, b_ref)
         v = v_ref[t, :].astype(F32)
         return _through_chunk(S, lw, k, jnp.where(transition, jnp.zeros_like(v), v), a, b, masks, L)[-1]
 
@@ -122,7 +129,7 @@ def _segment_state_kernel(lw_ref, k_ref, v_ref, a_ref, b_ref, s_ref, *, L, chunk
     s_ref[...] = lax.fori_loop(first, first + chunks, chunk, S0)
 
 
-def _forward(r, log_w, k, v, a, b, state, *, blocks, interpret):
+def _forward(r, w_logit, k, v, a, b, state, *, blocks, interpret):
     bsz, t, h, n = r.shape
     p = v.shape[-1]
     L = blocks.chunk
@@ -130,9 +137,10 @@ def _forward(r, log_w, k, v, a, b, state, *, blocks, interpret):
     pb = blocks.value_block
     vb = P // pb
     segments, chunks, T = common.segment_layout(blocks, programs=bsz * h * vb, t=t)
-    # padding steps are identities: log w = 0 and r = k = a = b = v = 0. Inputs stay in their dtype
-    # (the kernel casts each tile to float32 as it loads it): no float32 copies in memory.
-    key_side = [common.pad_axis(common.pad_axis(x, 1, T), 3, N) for x in (r, log_w, k, a, b)]
+    # padding steps are identities: log w = 0 (a logit of -inf) and r = k = a = b = v = 0. Inputs
+    # stay in their dtype (the kernel casts each tile to float32 as it loads it): no float32 copies.
+    key_side = [common.pad_axis(common.pad_axis(x, 1, T, fill), 3, N, fill)
+                for x, fill in ((r, 0.0), (w_logit, -jnp.inf), (k, 0.0), (a, 0.0), (b, 0.0))]
     vp = common.pad_axis(common.pad_axis(v, 1, T), 3, P)
     s0 = common.pad_axis(common.pad_axis(state, 2, P), 3, N)
     rp, lwp, kp, ap, bp = key_side
@@ -170,20 +178,20 @@ def _forward(r, log_w, k, v, a, b, state, *, blocks, interpret):
 
 @common.cached
 def _differentiable(chunk_size, blocks, interpret):
-    def forward(r, log_w, k, v, a, b, state):
-        return _forward(r, log_w, k, v, a, b, state, blocks=blocks, interpret=interpret)
+    def forward(r, w_logit, k, v, a, b, state):
+        return _forward(r, w_logit, k, v, a, b, state, blocks=blocks, interpret=interpret)
 
-    def reference(r, log_w, k, v, a, b, state):
-        return ref.chunked(r, log_w, k, v, a, b, chunk_size=chunk_size, initial_state=state)
+    def reference(r, w_logit, k, v, a, b, state):
+        return ref.chunked(r, w_logit, k, v, a, b, chunk_size=chunk_size, initial_state=state)
 
     return common.with_reference_vjp(forward, reference)
 
 
-def chunked(r, log_w, k, v, a, b, *, chunk_size: int, initial_state=None, blocks: common.BlockSizes | None = None,
+def chunked(r, w_logit, k, v, a, b, *, chunk_size: int, initial_state=None, blocks: common.BlockSizes | None = None,
             interpret: bool = False):
     """`ops.wkv7.chunked` computed by the Pallas kernel; gradients are `jax.vjp` of the reference
     (run with chunk_size). Returns (y [b, t, h, p] in v's dtype, final state [b, h, p, n] float32)."""
-    state = ref._check(r, log_w, k, v, a, b, initial_state)
+    state = ref._check(r, w_logit, k, v, a, b, initial_state)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not 1 <= chunk_size <= ref.MAX_CHUNK:
         raise ValueError(f"chunk_size must be an int in [1, {ref.MAX_CHUNK}], got {chunk_size!r}")
     p = v.shape[-1]
@@ -193,4 +201,4 @@ def chunked(r, log_w, k, v, a, b, *, chunk_size: int, initial_state=None, blocks
     if blocks.chunk > ref.MAX_CHUNK:
         raise ValueError(f"BlockSizes.chunk = {blocks.chunk} exceeds {ref.MAX_CHUNK}, the largest chunk whose "
                          "factored decays stay inside float32's range")
-    return _differentiable(chunk_size, blocks, bool(interpret))(r, log_w, k, v, a, b, state)
+    return _differentiable(chunk_size, blocks, bool(interpret))(r, w_logit, k, v, a, b, state)

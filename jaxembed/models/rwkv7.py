@@ -283,15 +283,15 @@ def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, r
     v_gate = jax.nn.sigmoid(p["v0"].astype(F32) + _linear(_linear(xv, p["v1"]), p["v2"]))
     v_first = jnp.where(is_first, v, v_first)
     v = jnp.where(is_first, v, v + (v_first - v) * v_gate).astype(v_first.dtype)  # the GEMMs' dtype
-    # log w in [-exp(-1/2), 0], the range ops/wkv7.chunked's exponent bound relies on
-    log_w = -math.exp(-0.5) * jax.nn.sigmoid(p["w0"].astype(F32) + w_lora)
+    # the decay's logits: the operator maps them to log w = -exp(-1/2) sigmoid(.) as it loads them
+    w_logit = p["w0"].astype(F32) + w_lora
 
     # the operator computes in float32 whatever its inputs' dtype: r, k, v, a and b go in the
-    # activation dtype (half the bytes in bf16, as BlinkDL's and fla's kernels take them), log w in
-    # float32; y comes back in v's dtype
+    # activation dtype (half the bytes in bf16, as BlinkDL's and fla's kernels take them), the decay
+    # logits in float32; y comes back in v's dtype
     act = r.dtype
     rh, kh, vh, ah = (_heads(x, cfg) for x in (r, k, v, a))
-    y, wkv_state = kernels.wkv7_chunked(rh, _heads(log_w, cfg), kh.astype(act), vh.astype(act), (-kk).astype(act),
+    y, wkv_state = kernels.wkv7_chunked(rh, _heads(w_logit, cfg), kh.astype(act), vh.astype(act), (-kk).astype(act),
                                         (kk * ah).astype(act), chunk_size=runtime.chunk_size,
                                         backend=runtime.kernels, initial_state=state.wkv)  # [b, t, h, n]
     # GroupNorm, one group per head (biased variance), then the per-channel affine

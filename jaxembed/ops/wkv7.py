@@ -7,7 +7,7 @@ Per head, with a matrix state S [p, n] (value dim p, key dim n):
     y_t = S_t r_t
 
 as in BlinkDL's `RWKV_x070_TMix_seq` (rwkv pip package, non-CUDA path), where the model sets
-a = -kk, b = kk * a_gate and log w = -exp(-1/2) * sigmoid(.). `recurrent` is the sequential
+a = -kk, b = kk * a_gate and log w = -exp(-1/2) * sigmoid(w_logit). `recurrent` is the sequential
 recurrence (a `lax.scan` over time); `chunked` does the intra-chunk work as matrix products and a
 triangular solve (the WY/UT form of a product of diagonal-plus-rank-one transitions) and carries
 the state between chunks with a `lax.scan`. Both take an optional initial state and return
@@ -15,7 +15,12 @@ the state between chunks with a `lax.scan`. Both take an optional initial state 
 
 Shapes: b batch, t time, c chunks, l/s positions inside a chunk, h heads, n key dim, p value dim.
 
-    r, log_w, k, a, b [b, t, h, n]      v [b, t, h, p]      state [b, h, p, n] (float32)
+    r, w_logit, k, a, b [b, t, h, n]      v [b, t, h, p]      state [b, h, p, n] (float32)
+
+The operator takes the decay's logits and applies RWKV7's map itself (`log_decay`): every input
+then decays within [LOG_W_MIN, 0], the range the chunked form's exponent bound needs, and the
+kernel computes log w as it loads a tile instead of reading a float32 log w written in a pass of
+its own over [t, d].
 
 Everything is computed in float32 whatever the input dtype, and y is returned in v's dtype (as
 BlinkDL's kernel writes it: half the bytes of the output, which RWKV7 group-normalises next, in a
@@ -43,11 +48,17 @@ LOG_W_MIN = -math.exp(-0.5)
 MAX_CHUNK = 64
 
 
-def _check(r, log_w, k, v, a, b, initial_state):
+def log_decay(w_logit):
+    """RWKV7's log decay, log w = LOG_W_MIN * sigmoid(w_logit) in [LOG_W_MIN, 0], float32 (an
+    infinite logit gives the ends: +inf the strongest decay, -inf none)."""
+    return LOG_W_MIN / (1.0 + jnp.exp(-w_logit.astype(F32)))
+
+
+def _check(r, w_logit, k, v, a, b, initial_state):
     shape = r.shape
     if len(shape) != 4:
         raise ValueError(f"r must be [batch, time, heads, key_dim], got shape {shape}")
-    for name, x in (("log_w", log_w), ("k", k), ("a", a), ("b", b)):
+    for name, x in (("w_logit", w_logit), ("k", k), ("a", a), ("b", b)):
         if x.shape != shape:
             raise ValueError(f"{name} has shape {x.shape}, expected {shape} like r")
     if v.shape[:3] != shape[:3] or v.ndim != 4:
@@ -56,10 +67,10 @@ def _check(r, log_w, k, v, a, b, initial_state):
     return common.initial_state(initial_state, (bsz, h, v.shape[-1], n))
 
 
-def recurrent(r, log_w, k, v, a, b, *, initial_state=None):
+def recurrent(r, w_logit, k, v, a, b, *, initial_state=None):
     """The recurrence, one token at a time (`lax.scan` over t). Returns (y [b,t,h,p] in v's dtype, state
     [b,h,p,n])."""
-    state = _check(r, log_w, k, v, a, b, initial_state)
+    state = _check(r, w_logit, k, v, a, b, initial_state)
 
     def step(S, inputs):
         r_t, lw_t, k_t, v_t, a_t, b_t = inputs  # [b,h,n] x5, v_t [b,h,p]
@@ -67,7 +78,7 @@ def recurrent(r, log_w, k, v, a, b, *, initial_state=None):
         S = S * jnp.exp(lw_t)[:, :, None, :] + Sa[..., None] * b_t[:, :, None, :] + v_t[..., None] * k_t[:, :, None, :]
         return S, jnp.einsum("bhpn,bhn->bhp", S, r_t)
 
-    time_major = [jnp.moveaxis(x.astype(F32), 1, 0) for x in (r, log_w, k, v, a, b)]
+    time_major = [jnp.moveaxis(x.astype(F32), 1, 0) for x in (r, log_decay(w_logit), k, v, a, b)]
     state, y = lax.scan(step, state, time_major)
     return jnp.moveaxis(y, 0, 1).astype(v.dtype), state
 
@@ -161,16 +172,16 @@ def chunk_states(T, H, initial_state):
     return jnp.moveaxis(entering, 0, 1), final
 
 
-def chunked(r, log_w, k, v, a, b, *, chunk_size: int, initial_state=None):
+def chunked(r, w_logit, k, v, a, b, *, chunk_size: int, initial_state=None):
     """Chunked WKV7: `chunk_intra` for all chunks at once, `chunk_states` across them, then
     y = y0 + Qm S_enteringᵀ. Returns (y [b,t,h,p] in v's dtype, final state [b,h,p,n] float32).
 
-    Requires log_w in [LOG_W_MIN, 0] (RWKV7's parameterisation guarantees it) and
-    chunk_size <= MAX_CHUNK, which bound the factored exponentials (see MAX_CHUNK).
+    Requires chunk_size <= MAX_CHUNK, which with log w in [LOG_W_MIN, 0] (`log_decay`) bounds the
+    factored exponentials (see MAX_CHUNK).
     Any t works: the tail is padded with identity steps (log w = 0, a = b = k = v = r = 0),
     which leave the state exactly as after the last real token.
     """
-    state = _check(r, log_w, k, v, a, b, initial_state)
+    state = _check(r, w_logit, k, v, a, b, initial_state)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not 1 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be an int in [1, {MAX_CHUNK}] (the bound that keeps the chunk's "
                          f"factored decays inside float32's range), got {chunk_size!r}")
@@ -184,7 +195,7 @@ def chunked(r, log_w, k, v, a, b, *, chunk_size: int, initial_state=None):
         x = jnp.pad(x.astype(F32), [(0, 0), (0, pad), (0, 0), (0, 0)])
         return jnp.moveaxis(x.reshape(bsz, c, chunk_size, h, x.shape[-1]), 3, 2)
 
-    y0, Qm, T, H = chunk_intra(*(chunks(x) for x in (r, log_w, k, v, a, b)))
+    y0, Qm, T, H = chunk_intra(*(chunks(x) for x in (r, log_decay(w_logit), k, v, a, b)))
     entering, final = chunk_states(T, H, state)
     y = y0 + bmm(Qm, entering, transpose_b=True)  # [b,c,h,l,p]
     y = jnp.moveaxis(y, 2, 3).reshape(bsz, c * chunk_size, h, p)[:, :t]
