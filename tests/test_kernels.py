@@ -65,6 +65,22 @@ def _wkv7_case(rng, dtype):
     return args, call, wkv7.chunked, kernels.wkv7_chunked
 
 
+def _wkv7_rwkv7_case(rng, dtype):
+    """RWKV7's form: the kernel derives key, a, b and the bonus weight from k and a's LoRA output
+    per tile; n = 24 pads the key dim (and the per-head vectors) to 32."""
+    b, t, h, n, p = 1, 37, 3, 24, 20
+    args = tuple(a.astype(dtype) for a in (
+        _normal(rng, (b, t, h, n)), _normal(rng, (b, t, h, n), 2.0), _normal(rng, (b, t, h, n)),  # r, w logits, k
+        _normal(rng, (b, t, h, p)), _normal(rng, (b, t, h, n)))) + (  # v, a's LoRA output
+        _normal(rng, (h, n), 0.5), 0.8 + _normal(rng, (h, n), 0.2), 1.0 + _normal(rng, (h, n), 0.2),  # a0, k_k, k_a
+        _normal(rng, (h, n), 0.3), _normal(rng, (b, h, p, n)))  # r_k, the initial state
+
+    def call(op, r, w, k, v, a, a0, k_k, k_a, r_k, s0, **kw):
+        return op(r, w, k, v, a, a0, k_k, k_a, r_k, chunk_size=16, initial_state=s0, **kw)
+
+    return args, call, wkv7.rwkv7_chunked, kernels.wkv7_rwkv7_chunked
+
+
 def _mlstm_case(rng, dtype):
     b, t, h, dk, dv = 2, 37, 2, 24, 40
     args = (_normal(rng, (b, t, h, dk)).astype(dtype), _normal(rng, (b, t, h, dk)).astype(dtype),
@@ -90,7 +106,8 @@ def _ssd_xbc_case(rng, dtype):
     return args, call, ssd.chunked_xbc, kernels.ssd_chunked_xbc
 
 
-CASES = {"ssd": _ssd_case, "ssd_xbc": _ssd_xbc_case, "wkv7": _wkv7_case, "mlstm": _mlstm_case}
+CASES = {"ssd": _ssd_case, "ssd_xbc": _ssd_xbc_case, "wkv7": _wkv7_case, "wkv7_rwkv7": _wkv7_rwkv7_case,
+         "mlstm": _mlstm_case}
 SMALL_BLOCKS = BlockSizes(chunk=16, value_block=16)  # several chunks and value blocks per program grid
 
 
@@ -145,7 +162,8 @@ def _kernel_entry(family):
     from jaxembed.kernels import ssd as k_ssd
     from jaxembed.kernels import wkv7 as k_wkv7
 
-    entries = {"ssd": k_ssd.chunked, "ssd_xbc": k_ssd.chunked_xbc, "wkv7": k_wkv7.chunked, "mlstm": k_mlstm.chunked}
+    entries = {"ssd": k_ssd.chunked, "ssd_xbc": k_ssd.chunked_xbc, "wkv7": k_wkv7.chunked,
+               "wkv7_rwkv7": k_wkv7.rwkv7_chunked, "mlstm": k_mlstm.chunked}
     return entries[family]
 
 

@@ -63,8 +63,9 @@ ssd_chunked = _dispatch("ssd", slots=True)
 ssd_chunked_xbc = _dispatch("ssd", "chunked_xbc", slots=True)
 ssd_conv_chunked = _dispatch("ssd", "conv_chunked", slots=True)
 wkv7_chunked = _dispatch("wkv7")
+wkv7_rwkv7_chunked = _dispatch("wkv7", "rwkv7_chunked")
 mlstm_chunked = _dispatch("mlstm")
 
 __all__ = ["BACKENDS", "BlockSizes", "heuristic", "resolve", "ssd_chunked", "ssd_chunked_xbc", "ssd_conv_chunked",
-           "wkv7_chunked",
+           "wkv7_chunked", "wkv7_rwkv7_chunked",
            "mlstm_chunked"]

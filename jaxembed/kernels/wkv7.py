@@ -69,27 +69,44 @@ def _through_chunk(S, lw, k, v, a, b, masks, L):
     return U, g, b_inv, k_inv, S_next
 
 
-def _tiles(t, r_ref, w_ref, k_ref, a_ref, b_ref):
-    """Chunk rows t of r, log w (RWKV7's map of the logits, `ops.wkv7.log_decay`), k, a and b,
-    float32 [l, n]."""
-    return (ref.log_decay(ref_[t, :]) if ref_ is w_ref else ref_[t, :].astype(F32)
-            for ref_ in (r_ref, w_ref, k_ref, a_ref, b_ref) if ref_ is not None)
+def _key_tiles(r_ref, w_ref, k_ref, a_ref, extra_refs, *, rwkv7: bool):
+    """tiles(t) -> (r, log w, k, a, b, bonus weight) at chunk rows t, float32 [l, n] (the bonus
+    weight [l], or None). The delta rule's refs: a and b (extra_refs = (b,)). With `rwkv7`, RWKV7's
+    projections: a_ref holds a's LoRA output, extra_refs the head's a0, k_k, k_a and r_k [n], and k,
+    a, b and the bonus weight are derived here (`ops.wkv7.rwkv7_inputs`). log w is RWKV7's map of the
+    logits (`ops.wkv7.log_decay`); r_ref may be None (no outputs, no bonus)."""
+
+    def tiles(t):
+        r = None if r_ref is None else r_ref[t, :].astype(F32)
+        lw, k = ref.log_decay(w_ref[t, :]), k_ref[t, :]
+        if not rwkv7:
+            (b_ref,) = extra_refs
+            return r, lw, k.astype(F32), a_ref[t, :].astype(F32), b_ref[t, :].astype(F32), None
+        a0, k_k, k_a, r_k = (p_ref[...] for p_ref in extra_refs)
+        key, a, b, bonus = ref.rwkv7_inputs(k, a_ref[t, :], a0, k_k, k_a, r=r, r_k=r_k)
+        return r, lw, key, a, b, bonus
+
+    return tiles
 
 
-def _kernel(r_ref, w_ref, k_ref, v_ref, a_ref, b_ref, s0_ref, *refs, L, chunks, segments):
+def _kernel(r_ref, w_ref, k_ref, v_ref, a_ref, *refs, L, chunks, segments, rwkv7):
     """Segment `program_id(3)` of the sequence (all of it when segments == 1): `chunks` chunks from
     the initial state carried through the segments before it by their transitions and own end
-    states (`_segment_state_kernel`)."""
-    if segments > 1:
-        seg_T_ref, seg_H_ref, y_ref, s_ref = refs
-    else:
-        y_ref, s_ref = refs
+    states (`_segment_state_kernel`). With `rwkv7` (`_key_tiles`) it also writes each token's bonus
+    weight."""
+    extra, (s0_ref, *refs) = (refs[:4], refs[4:]) if rwkv7 else (refs[:1], refs[1:])
+    seg_T_ref, seg_H_ref = refs[:2] if segments > 1 else (None, None)
+    y_ref, *refs = refs[2:] if segments > 1 else refs
+    bonus_ref, s_ref = refs if rwkv7 else (None, *refs)
+    tiles = _key_tiles(r_ref, w_ref, k_ref, a_ref, extra, rwkv7=rwkv7)
     masks = common.causal_masks(L)
     inclusive = masks[0]
 
     def chunk(c, S):  # S [pb, n]
         t = pl.ds(pl.multiple_of(c * L, L), L)
-        r, lw, k, a, b = _tiles(t, r_ref, w_ref, k_ref, a_ref, b_ref)  # [l, n]
+        r, lw, k, a, b, bonus = tiles(t)  # [l, n]
+        if bonus_ref is not None:
+            bonus_ref[t] = bonus
         v = v_ref[t, :].astype(F32)  # [l, pb]
         U, g, b_inv, k_inv, S_next = _through_chunk(S, lw, k, v, a, b, masks, L)
         r_dec = r * jnp.exp(g)
@@ -107,10 +124,12 @@ def _kernel(r_ref, w_ref, k_ref, v_ref, a_ref, b_ref, s0_ref, *refs, L, chunks, 
     s_ref[...] = lax.fori_loop(first, first + chunks, chunk, S)
 
 
-def _segment_state_kernel(w_ref, k_ref, v_ref, a_ref, b_ref, s_ref, *, L, chunks, value_blocks):
+def _segment_state_kernel(w_ref, k_ref, v_ref, a_ref, *refs, L, chunks, value_blocks, rwkv7):
     """Rows of segment `program_id(3)`'s [H; T] (see the module docstring): row blocks below
     `value_blocks` are value rows entered with a zero state, the others rows of the identity
     entered with v = 0 (rows past n stay zero)."""
+    *extra, s_ref = refs
+    tiles = _key_tiles(None, w_ref, k_ref, a_ref, extra, rwkv7=rwkv7)
     masks = common.causal_masks(L)
     block = pl.program_id(2)
     transition = block >= value_blocks
@@ -121,7 +140,7 @@ def _segment_state_kernel(w_ref, k_ref, v_ref, a_ref, b_ref, s_ref, *, L, chunks
 
     def chunk(c, S):
         t = pl.ds(pl.multiple_of(c * L, L), L)
-        lw, k, a, b = _tiles(t, None, w_ref, k_ref, a_ref, b_ref)
+        _, lw, k, a, b, _ = tiles(t)
         v = v_ref[t, :].astype(F32)
         return _through_chunk(S, lw, k, jnp.where(transition, jnp.zeros_like(v), v), a, b, masks, L)[-1]
 
@@ -129,7 +148,10 @@ def _segment_state_kernel(w_ref, k_ref, v_ref, a_ref, b_ref, s_ref, *, L, chunks
     s_ref[...] = lax.fori_loop(first, first + chunks, chunk, S0)
 
 
-def _forward(r, w_logit, k, v, a, b, state, *, blocks, interpret):
+def _forward(r, w_logit, k, v, a, extra, state, *, rwkv7, blocks, interpret):
+    """The kernels on the delta rule's inputs (extra = (b,)) or, with `rwkv7`, on RWKV7's
+    projections (a = a's LoRA output, extra = (a0, k_k, k_a, r_k) [h, n]; `_key_tiles`). Returns
+    (y, the bonus weight [b, t, h] float32 or None, final state)."""
     bsz, t, h, n = r.shape
     p = v.shape[-1]
     L = blocks.chunk
@@ -137,49 +159,61 @@ def _forward(r, w_logit, k, v, a, b, state, *, blocks, interpret):
     pb = blocks.value_block
     vb = P // pb
     segments, chunks, T = common.segment_layout(blocks, programs=bsz * h * vb, t=t)
-    # padding steps are identities: log w = 0 (a logit of -inf) and r = k = a = b = v = 0. Inputs
-    # stay in their dtype (the kernel casts each tile to float32 as it loads it): no float32 copies.
-    key_side = [common.pad_axis(common.pad_axis(x, 1, T, fill), 3, N, fill)
-                for x, fill in ((r, 0.0), (w_logit, -jnp.inf), (k, 0.0), (a, 0.0), (b, 0.0))]
+    # padding steps are identities: log w = 0 (a logit of -inf) and r = k = a = b = v = 0 (RWKV7's
+    # k = 0 gives key = a = b = 0 whatever a's LoRA). Inputs stay in their dtype (the kernel casts
+    # each tile to float32 as it loads it): no float32 copies.
+    rp, lwp, kp, ap = (common.pad_axis(common.pad_axis(x, 1, T, fill), 3, N, fill)
+                       for x, fill in ((r, 0.0), (w_logit, -jnp.inf), (k, 0.0), (a, 0.0)))
     vp = common.pad_axis(common.pad_axis(v, 1, T), 3, P)
     s0 = common.pad_axis(common.pad_axis(state, 2, P), 3, N)
-    rp, lwp, kp, ap, bp = key_side
 
     keys = pl.BlockSpec((None, T, None, N), lambda i, j, z, s: (i, 0, j, 0))
     values = pl.BlockSpec((None, T, None, pb), lambda i, j, z, s: (i, 0, j, z))
     st = pl.BlockSpec((None, None, pb, N), lambda i, j, z, s: (i, j, z, 0))
-    extra_specs, extra_args = [], []
+    if rwkv7:  # the head's a0, k_k, k_a, r_k
+        extra_args = [common.pad_axis(x, 1, N) for x in extra]
+        extra_key_specs = [pl.BlockSpec((None, N), lambda i, j, z, s: (j, 0))] * 4
+    else:  # b
+        extra_args = [common.pad_axis(common.pad_axis(extra[0], 1, T), 3, N)]
+        extra_key_specs = [keys]
+    seg_specs, seg_args = [], []
     if segments > 1:
         transition_blocks = -(-N // pb)
         rows = P + transition_blocks * pb  # [H; T] per segment, T's rows padded to whole blocks
         # transition row blocks read (and zero) the last value block: any in-range block would do
         transition_values = pl.BlockSpec((None, T, None, pb), lambda i, j, z, s: (i, 0, j, jnp.minimum(z, vb - 1)))
         own = common.call(
-            lambda *refs: _segment_state_kernel(*refs, L=L, chunks=chunks, value_blocks=vb),
+            lambda *refs: _segment_state_kernel(*refs, L=L, chunks=chunks, value_blocks=vb, rwkv7=rwkv7),
             grid=(bsz, h, vb + transition_blocks, segments - 1),
-            in_specs=[keys, keys, transition_values, keys, keys],
+            in_specs=[keys, keys, transition_values, keys, *extra_key_specs],
             out_specs=pl.BlockSpec((None, None, None, pb, N), lambda i, j, z, s: (i, j, s, z, 0)),
             out_shape=jax.ShapeDtypeStruct((bsz, h, segments - 1, rows, N), F32), blocks=blocks, interpret=interpret,
             name="wkv7_segment_states",
-        )(lwp, kp, vp, ap, bp)
-        extra_specs = [pl.BlockSpec((None, None, segments - 1, N, N), lambda i, j, z, s: (i, j, 0, 0, 0)),
-                       pl.BlockSpec((None, None, segments - 1, pb, N), lambda i, j, z, s: (i, j, 0, z, 0))]
-        extra_args = [own[:, :, :, P:P + N], own]  # T (a small copy), and H read in place (rows below P)
-    y, ends = common.call(
-        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments),
+        )(lwp, kp, vp, ap, *extra_args)
+        seg_specs = [pl.BlockSpec((None, None, segments - 1, N, N), lambda i, j, z, s: (i, j, 0, 0, 0)),
+                     pl.BlockSpec((None, None, segments - 1, pb, N), lambda i, j, z, s: (i, j, 0, z, 0))]
+        seg_args = [own[:, :, :, P:P + N], own]  # T (a small copy), and H read in place (rows below P)
+    # with rwkv7, the bonus weight per token and head, one column per value block (each program
+    # writes its own; they are equal)
+    bonus_specs = [pl.BlockSpec((None, T, None, None), lambda i, j, z, s: (i, 0, j, z))] if rwkv7 else []
+    bonus_shapes = [jax.ShapeDtypeStruct((bsz, T, h, vb), F32)] if rwkv7 else []
+    y, *bonus, ends = common.call(
+        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments, rwkv7=rwkv7),
         grid=(bsz, h, vb, segments),
-        in_specs=[keys, keys, keys, values, keys, keys, st, *extra_specs],
-        out_specs=[values, pl.BlockSpec((None, None, None, pb, N), lambda i, j, z, s: (i, j, s, z, 0))],
-        out_shape=[jax.ShapeDtypeStruct((bsz, T, h, P), v.dtype), jax.ShapeDtypeStruct((bsz, h, segments, P, N), F32)],
+        in_specs=[keys, keys, keys, values, keys, *extra_key_specs, st, *seg_specs],
+        out_specs=[values, *bonus_specs, pl.BlockSpec((None, None, None, pb, N), lambda i, j, z, s: (i, j, s, z, 0))],
+        out_shape=[jax.ShapeDtypeStruct((bsz, T, h, P), v.dtype), *bonus_shapes,
+                   jax.ShapeDtypeStruct((bsz, h, segments, P, N), F32)],
         blocks=blocks, interpret=interpret, name="wkv7_chunked",
-    )(rp, lwp, kp, vp, ap, bp, s0, *extra_args)
-    return y[:, :t, :, :p], ends[:, :, -1, :p, :n]
+    )(rp, lwp, kp, vp, ap, *extra_args, s0, *seg_args)
+    return y[:, :t, :, :p], (bonus[0][:, :t, :, 0] if rwkv7 else None), ends[:, :, -1, :p, :n]
 
 
 @common.cached
 def _differentiable(chunk_size, blocks, interpret):
     def forward(r, w_logit, k, v, a, b, state):
-        return _forward(r, w_logit, k, v, a, b, state, blocks=blocks, interpret=interpret)
+        y, _, end = _forward(r, w_logit, k, v, a, (b,), state, rwkv7=False, blocks=blocks, interpret=interpret)
+        return y, end
 
     def reference(r, w_logit, k, v, a, b, state):
         return ref.chunked(r, w_logit, k, v, a, b, chunk_size=chunk_size, initial_state=state)
@@ -187,18 +221,47 @@ def _differentiable(chunk_size, blocks, interpret):
     return common.with_reference_vjp(forward, reference)
 
 
+@common.cached
+def _differentiable_rwkv7(chunk_size, blocks, interpret):
+    def forward(r, w_logit, k, v, a_lora, a0, k_k, k_a, r_k, state):
+        return _forward(r, w_logit, k, v, a_lora, (a0, k_k, k_a, r_k), state, rwkv7=True, blocks=blocks,
+                        interpret=interpret)
+
+    def reference(r, w_logit, k, v, a_lora, a0, k_k, k_a, r_k, state):
+        return ref.rwkv7_chunked(r, w_logit, k, v, a_lora, a0, k_k, k_a, r_k, chunk_size=chunk_size,
+                                 initial_state=state)
+
+    return common.with_reference_vjp(forward, reference)
+
+
+def _checked_blocks(chunk_size, blocks, key_dim, value_dim):
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not 1 <= chunk_size <= ref.MAX_CHUNK:
+        raise ValueError(f"chunk_size must be an int in [1, {ref.MAX_CHUNK}], got {chunk_size!r}")
+    if blocks is None:
+        blocks = common.heuristic("wkv7", key_dim=key_dim, value_dim=value_dim)
+    blocks = common.check_blocks(blocks, value_dim)
+    if blocks.chunk > ref.MAX_CHUNK:
+        raise ValueError(f"BlockSizes.chunk = {blocks.chunk} exceeds {ref.MAX_CHUNK}, the largest chunk whose "
+                         "factored decays stay inside float32's range")
+    return blocks
+
+
 def chunked(r, w_logit, k, v, a, b, *, chunk_size: int, initial_state=None, blocks: common.BlockSizes | None = None,
             interpret: bool = False):
     """`ops.wkv7.chunked` computed by the Pallas kernel; gradients are `jax.vjp` of the reference
     (run with chunk_size). Returns (y [b, t, h, p] in v's dtype, final state [b, h, p, n] float32)."""
     state = ref._check(r, w_logit, k, v, a, b, initial_state)
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not 1 <= chunk_size <= ref.MAX_CHUNK:
-        raise ValueError(f"chunk_size must be an int in [1, {ref.MAX_CHUNK}], got {chunk_size!r}")
-    p = v.shape[-1]
-    if blocks is None:
-        blocks = common.heuristic("wkv7", key_dim=r.shape[-1], value_dim=p)
-    blocks = common.check_blocks(blocks, p)
-    if blocks.chunk > ref.MAX_CHUNK:
-        raise ValueError(f"BlockSizes.chunk = {blocks.chunk} exceeds {ref.MAX_CHUNK}, the largest chunk whose "
-                         "factored decays stay inside float32's range")
+    blocks = _checked_blocks(chunk_size, blocks, r.shape[-1], v.shape[-1])
     return _differentiable(chunk_size, blocks, bool(interpret))(r, w_logit, k, v, a, b, state)
+
+
+def rwkv7_chunked(r, w_logit, k, v, a_lora, a0, k_k, k_a, r_k, *, chunk_size: int, initial_state=None,
+                  blocks: common.BlockSizes | None = None, interpret: bool = False):
+    """`ops.wkv7.rwkv7_chunked` computed by the Pallas kernel, which derives RWKV7's key, a, b and
+    bonus weight from k and a's LoRA output per tile (`_key_tiles`); gradients are `jax.vjp` of the
+    reference. Returns (y [b, t, h, p] in v's dtype, bonus weight [b, t, h] float32, final state)."""
+    state = ref._check(r, w_logit, k, v, a_lora, a_lora, initial_state)
+    ref.check_head_params(r, a0=a0, k_k=k_k, k_a=k_a, r_k=r_k)
+    blocks = _checked_blocks(chunk_size, blocks, r.shape[-1], v.shape[-1])
+    return _differentiable_rwkv7(chunk_size, blocks, bool(interpret))(r, w_logit, k, v, a_lora, a0, k_k, k_a, r_k,
+                                                                       state)

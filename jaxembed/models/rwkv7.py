@@ -254,11 +254,6 @@ def _heads(x, cfg):
     return x.reshape(*x.shape[:-1], cfg.n_heads, cfg.head_size)
 
 
-def l2_normalize(x, eps=1e-12):
-    """x / max(|x|, eps) over the last axis: torch.nn.functional.normalize's semantics."""
-    return x / jnp.maximum(jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True)), eps)
-
-
 def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, runtime: Runtime):
     """RWKV7's time mix on the normalised input u [b, t, d].
 
@@ -274,11 +269,8 @@ def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, r
     xv = mixed("x_v")
     v = _linear(xv, p["value"])
     w_lora = _linear(jnp.tanh(_linear(mixed("x_w"), p["w1"])), p["w2"], F32)  # the decay's: float32
-    a = jax.nn.sigmoid(p["a0"].astype(F32) + _linear(_linear(mixed("x_a"), p["a1"]), p["a2"]))
+    a_lora = _linear(_linear(mixed("x_a"), p["a1"]), p["a2"])  # the in-context learning rate's, before a0
     g = _linear(jax.nn.sigmoid(_linear(mixed("x_g"), p["g1"])), p["g2"])
-
-    kk = l2_normalize(_heads(k * p["k_k"].astype(F32), cfg))  # [b, t, h, n], from k before its update
-    k = k * (1.0 + (a - 1.0) * p["k_a"].astype(F32))
     # Value residual: layer 0's values are the stream's v_first; later layers mix them in.
     v_gate = jax.nn.sigmoid(p["v0"].astype(F32) + _linear(_linear(xv, p["v1"]), p["v2"]))
     v_first = jnp.where(is_first, v, v_first)
@@ -286,22 +278,27 @@ def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, r
     # the decay's logits: the operator maps them to log w = -exp(-1/2) sigmoid(.) as it loads them
     w_logit = p["w0"].astype(F32) + w_lora
 
-    # the operator computes in float32 whatever its inputs' dtype: r, k, v, a and b go in the
-    # activation dtype (half the bytes in bf16, as BlinkDL's and fla's kernels take them), the decay
-    # logits in float32; y comes back in v's dtype
-    act = r.dtype
-    rh, kh, vh, ah = (_heads(x, cfg) for x in (r, k, v, a))
-    y, wkv_state = kernels.wkv7_chunked(rh, _heads(w_logit, cfg), kh.astype(act), vh.astype(act), (-kk).astype(act),
-                                        (kk * ah).astype(act), chunk_size=runtime.chunk_size,
-                                        backend=runtime.kernels, initial_state=state.wkv)  # [b, t, h, n]
-    # GroupNorm, one group per head (biased variance), then the per-channel affine
+    # The operator derives the delta rule's inputs from k and a's LoRA output itself (a =
+    # sigmoid(a0 + a_lora), kk = k ∘ k_k normalised per head: key k ∘ (1 + (a - 1) ∘ k_a), a = -kk,
+    # b = kk ∘ a, and the bonus weight r · (key ∘ r_k)), in float32 from inputs in the GEMMs' dtype
+    # (half the bytes in bf16, as BlinkDL's and fla's kernels take them); its kernel does so per
+    # tile, so none of them is written to memory. y comes back in v's dtype.
+    def per_head(name):
+        return p[name].reshape(cfg.n_heads, cfg.head_size)
+
+    vh = _heads(v, cfg)
+    y, bonus_weight, wkv_state = kernels.wkv7_rwkv7_chunked(
+        _heads(r, cfg), _heads(w_logit, cfg), _heads(k, cfg), vh, _heads(a_lora, cfg), per_head("a0"), per_head("k_k"),
+        per_head("k_a"), p["r_k"], chunk_size=runtime.chunk_size, backend=runtime.kernels,
+        initial_state=state.wkv)  # [b, t, h, n]
+    # GroupNorm, one group per head (biased variance, in float32), then the per-channel affine
+    y = y.astype(F32)
     mean = jnp.mean(y, axis=-1, keepdims=True)
     y = y - mean
     y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + cfg.head_norm_eps)
     y = y.reshape(u.shape) * p["ln_x_weight"].astype(F32) + p["ln_x_bias"].astype(F32)
-    # the "bonus": the current token's own value, weighted by r·(k ∘ r_k) per head
-    bonus = jnp.sum(rh * kh * p["r_k"].astype(F32), axis=-1, keepdims=True) * vh
-    y = y + bonus.reshape(u.shape)
+    # the "bonus": the current token's own value, weighted by r · (key ∘ r_k) per head
+    y = y + (bonus_weight[..., None] * vh.astype(F32)).reshape(u.shape)
     # the GEMMs that feed the residual write float32, its dtype: the add becomes their epilogue
     # (cuBLAS beta=1) instead of a pass of its own over the residual
     return _linear(y * g, p["output"], F32), shift, wkv_state, v_first

@@ -200,3 +200,40 @@ def chunked(r, w_logit, k, v, a, b, *, chunk_size: int, initial_state=None):
     y = y0 + bmm(Qm, entering, transpose_b=True)  # [b,c,h,l,p]
     y = jnp.moveaxis(y, 2, 3).reshape(bsz, c * chunk_size, h, p)[:, :t]
     return y.astype(v.dtype), final
+
+
+def rwkv7_inputs(k, a_lora, a0, k_k, k_a, *, r=None, r_k=None):
+    """RWKV7's delta-rule inputs from its projections, float32 over the last axis (one head's keys):
+    the in-context learning rate a = sigmoid(a0 + a_lora), kk = k ∘ k_k normalised, and
+
+        key k ∘ (1 + (a - 1) ∘ k_a),   a = -kk,   b = kk ∘ a,   bonus weight r · (key ∘ r_k)
+
+    (the bonus weight, None without r, scales the token's own value added after the group norm).
+    Elementwise and per-row, so the same function serves [b, t, h, n] arrays with [h, n] params
+    and a kernel's [l, n] tiles with [n] params."""
+    k = k.astype(F32)
+    gate = 1.0 / (1.0 + jnp.exp(-(a0.astype(F32) + a_lora.astype(F32))))
+    kk = k * k_k.astype(F32)
+    kk = kk / jnp.maximum(jnp.sqrt(jnp.sum(kk * kk, axis=-1, keepdims=True)), 1e-12)  # torch's F.normalize
+    key = k * (1.0 + (gate - 1.0) * k_a.astype(F32))
+    bonus = None if r is None else jnp.sum(r.astype(F32) * key * r_k.astype(F32), axis=-1)
+    return key, -kk, kk * gate, bonus
+
+
+def check_head_params(r, **params):
+    """RWKV7's per-head vectors must be [heads, key_dim] like r's last two axes."""
+    for name, x in params.items():
+        if tuple(x.shape) != tuple(r.shape[2:]):
+            raise ValueError(f"{name} must be [heads, key_dim] = {tuple(r.shape[2:])}, got {tuple(x.shape)}")
+
+
+def rwkv7_chunked(r, w_logit, k, v, a_lora, a0, k_k, k_a, r_k, *, chunk_size: int, initial_state=None):
+    """RWKV7's time-mix operator from its projections: `chunked` on the inputs `rwkv7_inputs`
+    derives (r, w_logit, k, a_lora [b, t, h, n], v [b, t, h, p], a0, k_k, k_a, r_k [h, n]). The
+    Pallas kernel derives them per tile as it loads k and a_lora, so none is written to memory.
+    Returns (y [b, t, h, p] in v's dtype, bonus weight [b, t, h] float32, final state)."""
+    _check(r, w_logit, k, v, a_lora, a_lora, initial_state)
+    check_head_params(r, a0=a0, k_k=k_k, k_a=k_a, r_k=r_k)
+    key, a, b, bonus = rwkv7_inputs(k, a_lora, a0, k_k, k_a, r=r, r_k=r_k)
+    y, state = chunked(r, w_logit, key, v, a, b, chunk_size=chunk_size, initial_state=initial_state)
+    return y, bonus, state
