@@ -262,9 +262,13 @@ def mlstm_mixer(cfg: XLSTMConfig, p: dict, u, state: State, *, runtime: Runtime)
     # q, k, v and the FFN's activations in the activation dtype straight out of their GEMMs, as in
     # transformers' bfloat16 model (half the bytes of float32 outputs); gates and states stay float32
     act = u.dtype
-    q = _linear(u, p["q"], p.get("q_bias"), act).reshape(b, t, h, cfg.qk_head_dim)
-    k = _linear(u, p["k"], p.get("k_bias"), act).reshape(b, t, h, cfg.qk_head_dim)
-    v = _linear(u, p["v"], p.get("v_bias"), act).reshape(b, t, h, cfg.v_head_dim)
+    # three inputs to XLA, one buffer: without the barrier XLA merges the q, k and v GEMMs into one,
+    # concatenating their weights for every call (a weight-sized copy per layer and vertical chunk)
+    # and copying q, k and v out of the joint output for the kernel, more than the two extra reads of u
+    u_q, u_k, u_v = jax.lax.optimization_barrier((u, u, u))
+    q = _linear(u_q, p["q"], p.get("q_bias"), act).reshape(b, t, h, cfg.qk_head_dim)
+    k = _linear(u_k, p["k"], p.get("k_bias"), act).reshape(b, t, h, cfg.qk_head_dim)
+    v = _linear(u_v, p["v"], p.get("v_bias"), act).reshape(b, t, h, cfg.v_head_dim)
     o = _linear(u, p["ogate"], p.get("ogate_bias"))
     i = soft_cap(_linear(u, p["igate"], p["igate_bias"]), cfg.gate_soft_cap)  # [b, t, h]
     f = soft_cap(_linear(u, p["fgate"], p["fgate_bias"]), cfg.gate_soft_cap)
