@@ -13,8 +13,8 @@
 #              kernels.common.sequence_segments; T = 4096 is the batch-1 vertical chunk)
 #   breakdown  #19: projection floor, full embed, GEMM/kernel/glue per family (benchmarks/gpu_breakdown.py)
 #   memory     #19: compiled temporaries per schedule at the models' own depth, from shapes (program_memory.py)
-#   dsf        #19: the same with XLA's dynamic-slice fusion (GEMMs reading each layer's slice of the stacked
-#              weights in place): the vertical path's per-(chunk, layer) weight memcpys should be gone
+#   dsf        #19: the same with XLA's dynamic-slice fusion forced on (GEMMs reading each layer's slice of the
+#              stacked weights in place); jax 0.11.2's XLA already does it by default (docs/benchmarks.md, session 13)
 #   compare    #19: the 7B recurrent models against Mistral's sliding window (jaxembed bench model-comparison)
 #   warm       #22: warm start, a fresh process's compile share (benchmarks/warm_start.py)
 #   train      #20: the two throughput configs on the packages corpus built there (tokens/s and MFU)

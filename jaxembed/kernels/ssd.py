@@ -49,18 +49,19 @@ def _state_step(S, x, Bc, dt, a_cum, a_to_end):
 
 class XConv(NamedTuple):
     """Static layout of x read raw (before the causal conv) out of in_proj's output: `taps` conv
-    taps, `full` chunks lie wholly within the real tokens and are read from it; chunk 0 reads the
-    head block (conv state ‖ the first tokens) and the chunks from `full` on the tail block (the last
-    real tokens ‖ zeros), both `rows` long, so no load leaves the real rows."""
+    taps; `full` chunks lie wholly within the real tokens. Chunks 1 to full - 1 are read raw and
+    convolved in the kernel. Chunk 0 (whose window reaches into the conv state) and the partial
+    chunk past the last whole one come convolved by XLA, as the head and tail blocks of one chunk
+    each, so no load leaves the real rows."""
     taps: int
     full: int
-    rows: int
 
 
 def _walk_x(x_ref, conv_refs, xconv, *, L, first, chunks, step, S):
     """S = step(c, x_c, S) for the chunks c in [first, first + chunks), x_c [L, pb] the chunk's x:
     a row block of x_ref, or with `xconv` the causal conv + SiLU of raw x computed here (tap i
-    reads the inputs k-1-i tokens back, summed in `ops.ssd.causal_conv`'s order)."""
+    reads the inputs k-1-i tokens back, summed in `ops.ssd.causal_conv`'s order), chunk 0 and the
+    chunks from `full` on being the head and tail blocks (`XConv`)."""
     if xconv is None:
         return lax.fori_loop(first, first + chunks, lambda c, S: step(c, x_ref[_rows(c, L), :], S), S)
     head_ref, tail_ref, w_ref, bias_ref = conv_refs
@@ -77,23 +78,19 @@ def _walk_x(x_ref, conv_refs, xconv, *, L, first, chunks, step, S):
     def raw(c):
         return lambda lag: x_ref[pl.ds(c * L - lag, L), :]
 
-    def block(ref):
-        return lambda lag: ref[pl.ds(k - 1 - lag, L), :]
-
     if isinstance(first, int):  # one segment: chunk 0 is the head
-        x_first = conv(block(head_ref))
-    else:
-        def first_window(lag):  # head for chunk 0, tail from `full` on, else the raw rows
-            x = block(tail_ref)(lag)
-            if full > 0:  # (clipped: the load happens whichever block is chosen)
-                rows = x_ref[pl.ds(jnp.clip(first * L - lag, 0, x_ref.shape[0] - L), L), :]
-                x = jnp.where(first >= full, x, rows)
-            return jnp.where(first == 0, block(head_ref)(lag), x)
-        x_first = conv(first_window)
+        x_first = head_ref[...]
+    else:  # the head for chunk 0, the tail from `full` on, else the raw rows convolved
+        x_first = tail_ref[...]
+        if full > 0:  # with none, x_ref holds fewer than L rows: no load of it may be traced
+            def clipped(lag):  # (clipped: the load happens whichever block is chosen)
+                return x_ref[pl.ds(jnp.clip(first * L - lag, 0, x_ref.shape[0] - L), L), :]
+            x_first = jnp.where(first >= full, x_first, conv(clipped))
+        x_first = jnp.where(first == 0, head_ref[...], x_first)
     S = step(first, x_first, S)
-    if full > 0:  # with none, x_ref holds fewer than L rows: no load of it may be traced
+    if full > 0:
         S = _for(first + 1, _min(first + chunks, full), lambda c, S: step(c, conv(raw(c)), S), S)
-    return _for(_max(first + 1, full), first + chunks, lambda c, S: step(c, conv(block(tail_ref)), S), S)
+    return _for(_max(first + 1, full), first + chunks, lambda c, S: step(c, tail_ref[...], S), S)
 
 
 def _rows(c, L):
@@ -196,8 +193,8 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
     [j*P, (j+1)*P) after `offsets[0]` blocks of value_block columns; B3 and C3 hold group gg's
     in columns [gg*N, (gg+1)*N) after offsets[1] / offsets[2] blocks of N columns. They may be
     one array (the packed xbc). With `x_conv` = (head, tail, conv weight, conv bias), x3 is raw x
-    of t rows, convolved in the kernel (`XConv`; head and tail [b, rows, h*p], weight [k, >= h*p],
-    bias [>= h*p]). Returns (y [b, t, h, p], final state [b, h, p, n]). A `StateSlot` state is read
+    of t rows, convolved in the kernel (`XConv`; head and tail, convolved, [b, L, h*p], weight
+    [k, >= h*p], bias [>= h*p]). Returns (y [b, t, h, p], final state [b, h, p, n]). A `StateSlot` state is read
     and written in place in its stack when the kernel can address it there (one segment, no
     padding), else copied out and back; the final state is then the slot."""
     b = x3.shape[0]
@@ -222,9 +219,9 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
     x_spec = pl.BlockSpec((None, x3.shape[1], pb), lambda i, j, k, s: (i, 0, x_off + j * vb + k))
     xconv, conv_specs = None, []
     if x_conv is not None:
-        head, _, weight, _ = x_conv
-        xconv = XConv(taps=weight.shape[0], full=t // L, rows=head.shape[1])
-        column = pl.BlockSpec((None, xconv.rows, pb), lambda i, j, k, s: (i, 0, j * vb + k))
+        _, _, weight, _ = x_conv
+        xconv = XConv(taps=weight.shape[0], full=t // L)
+        column = pl.BlockSpec((None, L, pb), lambda i, j, k, s: (i, 0, j * vb + k))
         conv_specs = [column, column, pl.BlockSpec((xconv.taps, pb), lambda i, j, k, s: (0, j * vb + k)),
                       pl.BlockSpec((pb,), lambda i, j, k, s: (j * vb + k,))]
     conv_args = list(x_conv or ())
@@ -382,11 +379,17 @@ def _forward_conv(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state
     # B and C (2*g*n columns, read by every head of their group) are convolved here by XLA; x (h*p
     # columns, each read by one program) is convolved in the kernel, straight from in_proj's output
     bc, _ = ref.causal_conv(xbc[..., e:], conv_state[..., e:], conv_weight[:, e:], conv_bias[e:], out_dtype=proj.dtype)
-    raw_x = xbc[..., :e]
-    rows = 2 * L
-    head = common.pad_axis(jnp.concatenate([conv_state[..., :e].astype(proj.dtype), raw_x[:, :L]], axis=1), 1, rows)
+    raw_x, x_weight, x_bias = xbc[..., :e], conv_weight[:, :e], conv_bias[:e]
+    # chunk 0 and the partial chunk past the last whole one (when there is one), convolved here:
+    # one chunk of rows each, and the kernel's loads stay inside the real rows
+    head, _ = ref.causal_conv(raw_x[:, :L], conv_state[..., :e], x_weight, x_bias, out_dtype=proj.dtype)
+    head = common.pad_axis(head, 1, L)
     full = t // L
-    tail = head if full == 0 else common.pad_axis(raw_x[:, full * L - (k - 1):], 1, rows)
+    tail = head
+    if full and t % L:
+        tail, _ = ref.causal_conv(raw_x[:, full * L:], raw_x[:, full * L - (k - 1):full * L], x_weight, x_bias,
+                                  out_dtype=proj.dtype)
+        tail = common.pad_axis(tail, 1, L)
     y, state = _launch(proj, bc, bc, (offset // pb, 0, g), dt, A, D, dt_bias, state, t=t, h=h, p=p, g=g, n=n,
                        dt_limit=dt_limit, blocks=blocks, interpret=interpret,
                        x_conv=(head, tail, conv_weight, conv_bias))
