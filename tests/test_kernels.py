@@ -308,6 +308,35 @@ def test_ssd_state_slot_is_read_and_written_in_its_stack(backend):
             np.testing.assert_array_equal(np.asarray(slot.stacked[other]), np.asarray(stack[other]))
 
 
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+def test_wkv7_state_slot_is_read_and_written_in_its_stack(backend):
+    """RWKV7's WKV state as a `StateSlot`: the final state lands in entry l, equal to the reference's
+    from that entry, the other entries stay exactly as they were, and y and the bonus weight are the
+    reference's. One segment runs the kernel in place in the stack, two copy the entry out and back."""
+    rng = np.random.default_rng(next(_draws))
+    b, t, h, n, p = 2, 37, 2, 32, 32
+    args = (_normal(rng, (b, t, h, n)), _normal(rng, (b, t, h, n), 2.0), _normal(rng, (b, t, h, n)),
+            _normal(rng, (b, t, h, p)), _normal(rng, (b, t, h, n)), _normal(rng, (h, n), 0.5),
+            0.8 + _normal(rng, (h, n), 0.2), 1.0 + _normal(rng, (h, n), 0.2), _normal(rng, (h, n), 0.3))
+    stack, layer = _normal(rng, (3, b, h, p, n)), 2
+    y_ref, bonus_ref, s_ref = wkv7.rwkv7_chunked(*args, chunk_size=16, initial_state=stack[layer])
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def run(stack, layer, segments):
+        return kernels.wkv7_rwkv7_chunked(*args, chunk_size=16, initial_state=StateSlot(stack, layer), backend=backend,
+                                          blocks=BlockSizes(chunk=16, value_block=16, segments=segments))
+
+    for segments in (1, 2):
+        with _recorded_aliases() as aliased:
+            y, bonus, slot = run(stack, jnp.int32(layer), segments)
+        assert any(aliased) == (backend == "interpret" and segments == 1), (backend, segments, aliased)
+        assert isinstance(slot, StateSlot) and slot.stacked.shape == stack.shape
+        assert rel_err(y, y_ref) < 1e-5 and rel_err(bonus, bonus_ref) < 1e-5, segments
+        assert rel_err(slot.stacked[layer], s_ref) < 1e-5, segments
+        for other in (0, 1):
+            np.testing.assert_array_equal(np.asarray(slot.stacked[other]), np.asarray(stack[other]))
+
+
 def test_conv_ssd_reads_the_projection_in_place_at_codestral_shapes():
     """The layer's call at Codestral Mamba 7B's dims, lowered for CUDA from shapes: the kernel's x
     operand is in_proj's output itself, unpadded at an odd length (no copy of it and no conv output

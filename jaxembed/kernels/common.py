@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxembed.ops.common import StateSlot
+
 F32 = jnp.float32
 MIN_DOT = 16  # Triton's smallest dot operand dimension
 
@@ -151,6 +153,33 @@ def call(kernel, *, grid, in_specs, out_specs, out_shape, blocks: BlockSizes, in
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           interpret=interpret, compiler_params=params, name=name,
                           input_output_aliases=input_output_aliases or {})
+
+
+def addressable_slot(state, *, segments: int, padded: bool) -> bool:
+    """Whether a kernel reads and writes a `StateSlot` state in place in its stack: one sequence
+    segment (the segment kernels keep per-segment states of their own), no padded state dim and a
+    float32 stack. Otherwise the slot is read before the kernel and written back after it."""
+    return isinstance(state, StateSlot) and segments == 1 and not padded and state.stacked.dtype == F32
+
+
+def slot_inputs(slot: StateSlot):
+    """An in-place state's kernel inputs, the stack and the layer index, and their specs: both
+    whole, indexed by the kernel itself (`state_tile`). The kernel's final-state result is the
+    stack again, aliased to the first."""
+    return [slot.stacked, slot.layer.astype(jnp.int32)[None]], [pl.BlockSpec(), pl.BlockSpec()]
+
+
+def state_tile(layer_ref, block: int, *, axis: int):
+    """Where this program's state tile is in its state refs: the whole block (`...`) when
+    layer_ref is None, else (an in-place `StateSlot`: the refs hold every layer's state
+    [n_layers, b, h, d, d']) layer `layer_ref[0]`'s entry for batch row `program_id(0)`, head
+    `program_id(1)`, and the `program_id(2)`-th block of `block` columns along state axis `axis`
+    (2: d, 3: d')."""
+    if layer_ref is None:
+        return ...
+    index = [layer_ref[0], pl.program_id(0), pl.program_id(1), slice(None), slice(None)]
+    index[1 + axis] = pl.ds(pl.program_id(2) * block, block)
+    return tuple(index)
 
 
 def with_reference_vjp(forward, reference):

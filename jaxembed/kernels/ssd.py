@@ -113,15 +113,6 @@ def _for(lo, hi, body, S):
     return lax.fori_loop(lo, hi, body, S)
 
 
-def _state_tile(layer_ref, pb: int):
-    """Where this program's [pb, n] state tile is in the state refs: their whole block, or with
-    `layer_ref` (an in-place `StateSlot`: the refs hold every layer's state [n_layers, b, h, p, n])
-    in layer `layer_ref[0]`'s entry."""
-    if layer_ref is None:
-        return ...
-    return layer_ref[0], pl.program_id(0), pl.program_id(1), pl.ds(pl.program_id(2) * pb, pb), slice(None)
-
-
 def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref, *refs, L, chunks, segments, xconv,
             in_place):
     """Segment `program_id(3)` of the sequence (all of it when segments == 1): `chunks` chunks from
@@ -149,7 +140,7 @@ def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref,
         y_ref[t, :] = y.astype(y_ref.dtype)
         return _state_step(S, x, Bc, dt, a_cum, a_to_end)
 
-    tile = _state_tile(layer_ref, x_ref.shape[-1])
+    tile = common.state_tile(layer_ref, x_ref.shape[-1], axis=2)  # [pb, n] of [b, h, p, n]
     S, first = s0_ref[tile], 0
     if segments > 1:
         segment = pl.program_id(3)
@@ -203,8 +194,8 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
     P, N = common.padded(p), common.padded(n)
     vb = P // pb  # value blocks per head
     segments, chunks, T = common.segment_layout(blocks, programs=b * h * vb, t=t)
-    in_place = isinstance(state, StateSlot)
-    if in_place and not (segments == 1 and (P, N) == (p, n) and state.stacked.dtype == F32):
+    in_place = common.addressable_slot(state, segments=segments, padded=(P, N) != (p, n))
+    if isinstance(state, StateSlot) and not in_place:
         y, end = _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state.read().astype(F32), t=t, h=h, p=p, g=g, n=n,
                          dt_limit=dt_limit, blocks=blocks, interpret=interpret, x_conv=x_conv)
         return y, state.write(end)
@@ -229,8 +220,7 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
     B_spec = pl.BlockSpec((None, T, N), lambda i, j, k, s: (i, 0, B_off + j // r))
     C_spec = pl.BlockSpec((None, T, N), lambda i, j, k, s: (i, 0, C_off + j // r))
     st = pl.BlockSpec((None, None, pb, N), lambda i, j, k, s: (i, j, k, 0))
-    whole = pl.BlockSpec()  # the kernel indexes it itself (`_state_tile`)
-    state_specs, state_args = ([whole, whole], [s0, state.layer.astype(jnp.int32)[None]]) if in_place else ([st], [s0])
+    state_args, state_specs = common.slot_inputs(state) if in_place else ([s0], [st])
     seg_st = pl.BlockSpec((None, None, None, pb, N), lambda i, j, k, s: (i, j, s, k, 0))
     extra_specs, extra_args = [], []
     if segments > 1:
@@ -252,7 +242,8 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
         # y time-major with the heads as column blocks [b, T, h*P], the layout of the gated norm that
         # reads it: written [b, T, h, P], XLA converted it to float32 in a pass of its own before the
         # norm (1.5 GB per Codestral layer at 32k tokens; benchmarks/gpu_program.py)
-        out_specs=[pl.BlockSpec((None, T, pb), lambda i, j, k, s: (i, 0, j * vb + k)), whole if in_place else seg_st],
+        out_specs=[pl.BlockSpec((None, T, pb), lambda i, j, k, s: (i, 0, j * vb + k)),
+                   pl.BlockSpec() if in_place else seg_st],
         out_shape=[jax.ShapeDtypeStruct((b, T, h * P), x3.dtype),
                    jax.ShapeDtypeStruct(s0.shape if in_place else (b, h, segments, P, N), F32)],
         blocks=blocks, interpret=interpret, name="ssd_chunked", input_output_aliases={7: 1} if in_place else None,

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 
 from jaxembed.kernels import common
 from jaxembed.ops import wkv7 as ref
+from jaxembed.ops.common import StateSlot, through_slot
 
 F32 = jnp.float32
 
@@ -89,12 +90,14 @@ def _key_tiles(r_ref, w_ref, k_ref, a_ref, extra_refs, *, rwkv7: bool):
     return tiles
 
 
-def _kernel(r_ref, w_ref, k_ref, v_ref, a_ref, *refs, L, chunks, segments, rwkv7):
+def _kernel(r_ref, w_ref, k_ref, v_ref, a_ref, *refs, L, chunks, segments, rwkv7, in_place):
     """Segment `program_id(3)` of the sequence (all of it when segments == 1): `chunks` chunks from
     the initial state carried through the segments before it by their transitions and own end
     states (`_segment_state_kernel`). With `rwkv7` (`_key_tiles`) it also writes each token's bonus
-    weight."""
+    weight; `in_place`: the state refs are the stack of every layer's states, and `layer_ref`
+    says whose entry (`common.state_tile`)."""
     extra, (s0_ref, *refs) = (refs[:4], refs[4:]) if rwkv7 else (refs[:1], refs[1:])
+    layer_ref, *refs = refs if in_place else (None, *refs)
     seg_T_ref, seg_H_ref = refs[:2] if segments > 1 else (None, None)
     y_ref, *refs = refs[2:] if segments > 1 else refs
     bonus_ref, s_ref = refs if rwkv7 else (None, *refs)
@@ -116,12 +119,13 @@ def _kernel(r_ref, w_ref, k_ref, v_ref, a_ref, *refs, L, chunks, segments, rwkv7
         y_ref[t, :] = y.astype(y_ref.dtype)
         return S_next
 
-    S, first = s0_ref[...], 0
+    tile = common.state_tile(layer_ref, v_ref.shape[-1], axis=2)  # [pb, n] of [b, h, p, n]
+    S, first = s0_ref[tile], 0
     if segments > 1:
         segment = pl.program_id(3)
         S = lax.fori_loop(0, segment, lambda j, S: common.dot(S, seg_T_ref[j]) + seg_H_ref[j], S)
         first = segment * chunks
-    s_ref[...] = lax.fori_loop(first, first + chunks, chunk, S)
+    s_ref[tile] = lax.fori_loop(first, first + chunks, chunk, S)
 
 
 def _segment_state_kernel(w_ref, k_ref, v_ref, a_ref, *refs, L, chunks, value_blocks, rwkv7):
@@ -151,7 +155,9 @@ def _segment_state_kernel(w_ref, k_ref, v_ref, a_ref, *refs, L, chunks, value_bl
 def _forward(r, w_logit, k, v, a, extra, state, *, rwkv7, blocks, interpret):
     """The kernels on the delta rule's inputs (extra = (b,)) or, with `rwkv7`, on RWKV7's
     projections (a = a's LoRA output, extra = (a0, k_k, k_a, r_k) [h, n]; `_key_tiles`). Returns
-    (y, the bonus weight [b, t, h] float32 or None, final state)."""
+    (y, the bonus weight [b, t, h] float32 or None, final state). A `StateSlot` state is read and
+    written in place in its stack where the kernel can address it (`common.addressable_slot`),
+    else copied out and back; the final state is then the slot."""
     bsz, t, h, n = r.shape
     p = v.shape[-1]
     L = blocks.chunk
@@ -159,17 +165,25 @@ def _forward(r, w_logit, k, v, a, extra, state, *, rwkv7, blocks, interpret):
     pb = blocks.value_block
     vb = P // pb
     segments, chunks, T = common.segment_layout(blocks, programs=bsz * h * vb, t=t)
+    in_place = common.addressable_slot(state, segments=segments, padded=(P, N) != (p, n))
+    if isinstance(state, StateSlot) and not in_place:
+        y, bonus, end = _forward(r, w_logit, k, v, a, extra, state.read().astype(F32), rwkv7=rwkv7, blocks=blocks,
+                                 interpret=interpret)
+        return y, bonus, state.write(end)
     # padding steps are identities: log w = 0 (a logit of -inf) and r = k = a = b = v = 0 (RWKV7's
     # k = 0 gives key = a = b = 0 whatever a's LoRA). Inputs stay in their dtype (the kernel casts
     # each tile to float32 as it loads it): no float32 copies.
     rp, lwp, kp, ap = (common.pad_axis(common.pad_axis(x, 1, T, fill), 3, N, fill)
                        for x, fill in ((r, 0.0), (w_logit, -jnp.inf), (k, 0.0), (a, 0.0)))
     vp = common.pad_axis(common.pad_axis(v, 1, T), 3, P)
-    s0 = common.pad_axis(common.pad_axis(state, 2, P), 3, N)
 
     keys = pl.BlockSpec((None, T, None, N), lambda i, j, z, s: (i, 0, j, 0))
     values = pl.BlockSpec((None, T, None, pb), lambda i, j, z, s: (i, 0, j, z))
     st = pl.BlockSpec((None, None, pb, N), lambda i, j, z, s: (i, j, z, 0))
+    if in_place:
+        state_args, state_specs = common.slot_inputs(state)
+    else:
+        state_args, state_specs = [common.pad_axis(common.pad_axis(state, 2, P), 3, N)], [st]
     if rwkv7:  # the head's a0, k_k, k_a, r_k
         extra_args = [common.pad_axis(x, 1, N) for x in extra]
         extra_key_specs = [pl.BlockSpec((None, N), lambda i, j, z, s: (j, 0))] * 4
@@ -197,16 +211,22 @@ def _forward(r, w_logit, k, v, a, extra, state, *, rwkv7, blocks, interpret):
     # writes its own; they are equal)
     bonus_specs = [pl.BlockSpec((None, T, None, None), lambda i, j, z, s: (i, 0, j, z))] if rwkv7 else []
     bonus_shapes = [jax.ShapeDtypeStruct((bsz, T, h, vb), F32)] if rwkv7 else []
+    if in_place:  # the stack itself, aliased to the stack passed in
+        ends_spec, ends_shape = pl.BlockSpec(), state_args[0].shape
+    else:
+        ends_spec = pl.BlockSpec((None, None, None, pb, N), lambda i, j, z, s: (i, j, s, z, 0))
+        ends_shape = (bsz, h, segments, P, N)
     y, *bonus, ends = common.call(
-        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments, rwkv7=rwkv7),
+        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments, rwkv7=rwkv7, in_place=in_place),
         grid=(bsz, h, vb, segments),
-        in_specs=[keys, keys, keys, values, keys, *extra_key_specs, st, *seg_specs],
-        out_specs=[values, *bonus_specs, pl.BlockSpec((None, None, None, pb, N), lambda i, j, z, s: (i, j, s, z, 0))],
-        out_shape=[jax.ShapeDtypeStruct((bsz, T, h, P), v.dtype), *bonus_shapes,
-                   jax.ShapeDtypeStruct((bsz, h, segments, P, N), F32)],
+        in_specs=[keys, keys, keys, values, keys, *extra_key_specs, *state_specs, *seg_specs],
+        out_specs=[values, *bonus_specs, ends_spec],
+        out_shape=[jax.ShapeDtypeStruct((bsz, T, h, P), v.dtype), *bonus_shapes, jax.ShapeDtypeStruct(ends_shape, F32)],
         blocks=blocks, interpret=interpret, name="wkv7_chunked",
-    )(rp, lwp, kp, vp, ap, *extra_args, s0, *seg_args)
-    return y[:, :t, :, :p], (bonus[0][:, :t, :, 0] if rwkv7 else None), ends[:, :, -1, :p, :n]
+        input_output_aliases={5 + len(extra_args): 1 + len(bonus_specs)} if in_place else None,
+    )(rp, lwp, kp, vp, ap, *extra_args, *state_args, *seg_args)
+    end = StateSlot(ends, state.layer) if in_place else ends[:, :, -1, :p, :n]
+    return y[:, :t, :, :p], (bonus[0][:, :t, :, 0] if rwkv7 else None), end
 
 
 @common.cached
@@ -216,7 +236,7 @@ def _differentiable(chunk_size, blocks, interpret):
         return y, end
 
     def reference(r, w_logit, k, v, a, b, state):
-        return ref.chunked(r, w_logit, k, v, a, b, chunk_size=chunk_size, initial_state=state)
+        return through_slot(ref.chunked, r, w_logit, k, v, a, b, chunk_size=chunk_size, initial_state=state)
 
     return common.with_reference_vjp(forward, reference)
 
@@ -228,8 +248,8 @@ def _differentiable_rwkv7(chunk_size, blocks, interpret):
                         interpret=interpret)
 
     def reference(r, w_logit, k, v, a_lora, a0, k_k, k_a, r_k, state):
-        return ref.rwkv7_chunked(r, w_logit, k, v, a_lora, a0, k_k, k_a, r_k, chunk_size=chunk_size,
-                                 initial_state=state)
+        return through_slot(ref.rwkv7_chunked, r, w_logit, k, v, a_lora, a0, k_k, k_a, r_k, chunk_size=chunk_size,
+                            initial_state=state)
 
     return common.with_reference_vjp(forward, reference)
 

@@ -149,7 +149,7 @@ def param_shapes(cfg: RWKV7Config) -> dict:
 FLOAT32_PARAMS = ("w0",)
 
 VERTICAL = True  # a constant-size state per layer: vertically chunked inference applies
-STATES_IN_PLACE = ()
+STATES_IN_PLACE = ("wkv",)  # the WKV state: the WKV7 kernel reads and writes it in its stack
 
 
 # Layer matrices used as x @ W [d_in, d_out]: the "all linear layers" that LoRA adapts and NF4 quantises.
