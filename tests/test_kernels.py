@@ -337,6 +337,35 @@ def test_wkv7_state_slot_is_read_and_written_in_its_stack(backend):
             np.testing.assert_array_equal(np.asarray(slot.stacked[other]), np.asarray(stack[other]))
 
 
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+def test_mlstm_memory_slot_is_read_and_written_in_its_stack(backend):
+    """xLSTM's mLSTM state with C as a `StateSlot` (n and m as arrays): C's final value lands in
+    entry l, equal to the reference's from that entry, the other entries stay exactly as they were,
+    and h, n and m are the reference's. One segment runs in place, two copy the entry out and back."""
+    rng = np.random.default_rng(next(_draws))
+    b, t, h, dk, dv = 2, 37, 2, 32, 32
+    q, k, v = (_normal(rng, (b, t, h, d)) for d in (dk, dk, dv))
+    i, f = _normal(rng, (b, t, h), 3.0), _normal(rng, (b, t, h), 2.0) + 2
+    stack, n0, m0, layer = _normal(rng, (3, b, h, dk, dv)), _normal(rng, (b, h, dk)), _normal(rng, (b, h)), 1
+    h_ref, s_ref = mlstm.chunked(q, k, v, i, f, chunk_size=16, initial_state=mlstm.State(stack[layer], n0, m0))
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def run(stack, layer, segments):
+        return kernels.mlstm_chunked(q, k, v, i, f, chunk_size=16, backend=backend,
+                                     initial_state=mlstm.State(StateSlot(stack, layer), n0, m0),
+                                     blocks=BlockSizes(chunk=16, value_block=16, segments=segments))
+
+    for segments in (1, 2):
+        with _recorded_aliases() as aliased:
+            out, (C, n, m) = run(stack, jnp.int32(layer), segments)
+        assert any(aliased) == (backend == "interpret" and segments == 1), (backend, segments, aliased)
+        assert isinstance(C, StateSlot) and C.stacked.shape == stack.shape
+        assert rel_err(out, h_ref) < 1e-5 and rel_err(n, s_ref.n) < 1e-5 and rel_err(m, s_ref.m) < 1e-5, segments
+        assert rel_err(C.stacked[layer], s_ref.C) < 1e-5, segments
+        for other in (0, 2):
+            np.testing.assert_array_equal(np.asarray(C.stacked[other]), np.asarray(stack[other]))
+
+
 def test_conv_ssd_reads_the_projection_in_place_at_codestral_shapes():
     """The layer's call at Codestral Mamba 7B's dims, lowered for CUDA from shapes: the kernel's x
     operand is in_proj's output itself, unpadded at an odd length (no copy of it and no conv output

@@ -64,7 +64,7 @@ ssd_chunked_xbc = _dispatch("ssd", "chunked_xbc", slots=True)
 ssd_conv_chunked = _dispatch("ssd", "conv_chunked", slots=True)
 wkv7_chunked = _dispatch("wkv7", slots=True)
 wkv7_rwkv7_chunked = _dispatch("wkv7", "rwkv7_chunked", slots=True)
-mlstm_chunked = _dispatch("mlstm")
+mlstm_chunked = _dispatch("mlstm", slots=True)
 
 __all__ = ["BACKENDS", "BlockSizes", "heuristic", "resolve", "ssd_chunked", "ssd_chunked_xbc", "ssd_conv_chunked",
            "wkv7_chunked", "wkv7_rwkv7_chunked",

@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jaxembed.errors import check_positive_int
 from jaxembed.kernels import common
 from jaxembed.ops import mlstm as ref
+from jaxembed.ops.common import StateSlot, through_slot
 
 F32 = jnp.float32
 
@@ -48,9 +49,12 @@ def _state_step(carry, k, v, ig, bc):
     return _merge(*carry, bc_end, common.dot(kw.astype(v.dtype), v, trans_a=True), jnp.sum(kw, axis=0), m_loc)
 
 
-def _kernel(q_ref, k_ref, v_ref, i_ref, bc_ref, C0_ref, n0_ref, m0_ref, *refs, L, chunks, segments, scale, eps):
+def _kernel(q_ref, k_ref, v_ref, i_ref, bc_ref, C0_ref, *refs, L, chunks, segments, scale, eps, in_place):
     """Segment `program_id(3)` of the sequence (all of it when segments == 1), `chunks` chunks,
-    entered with the initial state merged with the own end states of the segments before it."""
+    entered with the initial state merged with the own end states of the segments before it.
+    `in_place`: the C refs are the stack of every layer's C, and `layer_ref` says whose entry
+    (`common.state_tile`)."""
+    layer_ref, n0_ref, m0_ref, *refs = refs if in_place else (None, *refs)
     if segments > 1:
         seg_f_ref, seg_C_ref, seg_n_ref, seg_m_ref, h_ref, C_ref, n_ref, m_ref = refs
     else:
@@ -74,13 +78,14 @@ def _kernel(q_ref, k_ref, v_ref, i_ref, bc_ref, C0_ref, n0_ref, m0_ref, *refs, L
         h_ref[t, :] = h.astype(h_ref.dtype)
         return _state_step(carry, k, v, ig, bc)
 
-    carry, first = (C0_ref[...], n0_ref[...], m0_ref[...]), 0
+    tile = common.state_tile(layer_ref, v_ref.shape[-1], axis=3)  # [k, vb] of C [b, h, k, v]
+    carry, first = (C0_ref[tile], n0_ref[...], m0_ref[...]), 0
     if segments > 1:
         segment = pl.program_id(3)
         carry = lax.fori_loop(0, segment, lambda j, carry: _merge(*carry, seg_f_ref[j], seg_C_ref[j], seg_n_ref[j],
                                                                   seg_m_ref[j]), carry)
         first = segment * chunks
-    C_ref[...], n_ref[...], m_ref[...] = lax.fori_loop(first, first + chunks, chunk, carry)
+    C_ref[tile], n_ref[...], m_ref[...] = lax.fori_loop(first, first + chunks, chunk, carry)
 
 
 def _segment_state_kernel(k_ref, v_ref, i_ref, bc_ref, C_ref, n_ref, m_ref, *, L, chunks):
@@ -97,6 +102,9 @@ def _segment_state_kernel(k_ref, v_ref, i_ref, bc_ref, C_ref, n_ref, m_ref, *, L
 
 
 def _forward(q, k, v, i, f, C0, n0, m0, *, eps, blocks, interpret):
+    """The kernels; C0 may be a `StateSlot`, read and written in place in its stack where the
+    kernel can address it (`common.addressable_slot`), else copied out and back (the final C is
+    then the slot)."""
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     L = blocks.chunk
@@ -104,19 +112,27 @@ def _forward(q, k, v, i, f, C0, n0, m0, *, eps, blocks, interpret):
     vb = blocks.value_block
     nvb = V // vb
     segments, chunks, T = common.segment_layout(blocks, programs=b * h * nvb, t=t)
+    in_place = common.addressable_slot(C0, segments=segments, padded=(K, V) != (dk, dv))
+    if isinstance(C0, StateSlot) and not in_place:
+        hh, (C, n, m) = _forward(q, k, v, i, f, C0.read().astype(F32), n0, m0, eps=eps, blocks=blocks,
+                                 interpret=interpret)
+        return hh, ref.State(C0.write(C), n, m)
     # padding tokens neither decay (log σ(f) = 0) nor write (i = PAD_I)
     ig = common.pad_axis(jnp.moveaxis(i.astype(F32), 1, 2), 2, T, ref.PAD_I)  # [b, h, T]
     logf = common.pad_axis(jnp.moveaxis(jax.nn.log_sigmoid(f.astype(F32)), 1, 2), 2, T)
     bc = jnp.cumsum(logf.reshape(b, h, T // L, L), axis=-1).reshape(b, h, T)
     qp, kp = (common.pad_axis(common.pad_axis(x, 1, T), 3, K) for x in (q, k))
     vp = common.pad_axis(common.pad_axis(v, 1, T), 3, V)
-    C0p = common.pad_axis(common.pad_axis(C0, 2, K), 3, V)
     n0p = common.pad_axis(n0, 2, K)
 
     keys = pl.BlockSpec((None, T, None, K), lambda x, y, z, s: (x, 0, y, 0))
     values = pl.BlockSpec((None, T, None, vb), lambda x, y, z, s: (x, 0, y, z))
     gates = pl.BlockSpec((None, None, T), lambda x, y, z, s: (x, y, 0))
-    C_spec = pl.BlockSpec((None, None, K, vb), lambda x, y, z, s: (x, y, 0, z))
+    if in_place:
+        C_args, C_specs = common.slot_inputs(C0)
+    else:
+        C_args = [common.pad_axis(common.pad_axis(C0, 2, K), 3, V)]
+        C_specs = [pl.BlockSpec((None, None, K, vb), lambda x, y, z, s: (x, y, 0, z))]
     n_in = pl.BlockSpec((None, None, K), lambda x, y, z, s: (x, y, 0))
     m_in = pl.BlockSpec((None, None), lambda x, y, z, s: (x, y))
     # every value block computes the same n and m; each writes its own copy (no shared writes), and
@@ -141,16 +157,19 @@ def _forward(q, k, v, i, f, C0, n0, m0, *, eps, blocks, interpret):
                        pl.BlockSpec((None, None, segments - 1, None), lambda x, y, z, s: (x, y, 0, z))]
         extra_args = [segment_log_f, *own]
     hh, C, n, m = common.call(
-        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments, scale=dk**-0.5, eps=eps),
+        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments, scale=dk**-0.5, eps=eps,
+                              in_place=in_place),
         grid=(b, h, nvb, segments),
-        in_specs=[keys, keys, values, gates, gates, C_spec, n_in, m_in, *extra_specs],
-        out_specs=[values, C_out, n_out, m_out],
-        out_shape=[jax.ShapeDtypeStruct((b, T, h, V), v.dtype), jax.ShapeDtypeStruct((b, h, segments, K, V), F32),
+        in_specs=[keys, keys, values, gates, gates, *C_specs, n_in, m_in, *extra_specs],
+        out_specs=[values, pl.BlockSpec() if in_place else C_out, n_out, m_out],
+        out_shape=[jax.ShapeDtypeStruct((b, T, h, V), v.dtype),
+                   jax.ShapeDtypeStruct(C_args[0].shape if in_place else (b, h, segments, K, V), F32),
                    jax.ShapeDtypeStruct((b, h, segments, nvb, K), F32),
                    jax.ShapeDtypeStruct((b, h, segments, nvb), F32)],
-        blocks=blocks, interpret=interpret, name="mlstm_chunked",
-    )(qp, kp, vp, ig, bc, C0p, n0p, m0, *extra_args)
-    return hh[:, :t, :, :dv], ref.State(C[:, :, -1, :dk, :dv], n[:, :, -1, 0, :dk], m[:, :, -1, 0])
+        blocks=blocks, interpret=interpret, name="mlstm_chunked", input_output_aliases={5: 1} if in_place else None,
+    )(qp, kp, vp, ig, bc, *C_args, n0p, m0, *extra_args)
+    C = StateSlot(C, C0.layer) if in_place else C[:, :, -1, :dk, :dv]
+    return hh[:, :t, :, :dv], ref.State(C, n[:, :, -1, 0, :dk], m[:, :, -1, 0])
 
 
 @common.cached
@@ -159,7 +178,8 @@ def _differentiable(chunk_size, eps, blocks, interpret):
         return _forward(q, k, v, i, f, C0, n0, m0, eps=eps, blocks=blocks, interpret=interpret)
 
     def reference(q, k, v, i, f, C0, n0, m0):
-        return ref.chunked(q, k, v, i, f, chunk_size=chunk_size, initial_state=ref.State(C0, n0, m0), eps=eps)
+        return through_slot(ref.chunked, q, k, v, i, f, chunk_size=chunk_size, initial_state=ref.State(C0, n0, m0),
+                            eps=eps)
 
     return common.with_reference_vjp(forward, reference)
 

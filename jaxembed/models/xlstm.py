@@ -180,7 +180,7 @@ def param_shapes(cfg: XLSTMConfig) -> dict:
 FLOAT32_PARAMS = ()
 
 VERTICAL = True  # a constant-size state per layer: vertically chunked inference applies
-STATES_IN_PLACE = ()
+STATES_IN_PLACE = ("C",)  # the mLSTM memory: the kernel reads and writes it in its stack
 
 
 # Layer matrices used as x @ W [d_in, d_out]: the "all linear layers" that LoRA adapts and NF4 quantises.

@@ -49,14 +49,21 @@ class StateSlot(NamedTuple):
                          self.layer)
 
 
+def _is_slot(x) -> bool:
+    return isinstance(x, StateSlot)
+
+
 def through_slot(fn, *args, initial_state=None, **kwargs):
     """fn(*args, initial_state=..., **kwargs), whose last output is the final state, for an
-    initial state that may be a `StateSlot`: the slot's entry is read, and the final state comes
-    back written into it (a `StateSlot`)."""
-    if not isinstance(initial_state, StateSlot):
+    initial state that is or holds `StateSlot`s (a state NamedTuple may have some fields in place):
+    each slot's entry is read, and the matching part of the final state comes back written into
+    it (a `StateSlot`)."""
+    if not any(_is_slot(x) for x in jax.tree.leaves(initial_state, is_leaf=_is_slot)):
         return fn(*args, initial_state=initial_state, **kwargs)
-    *out, state = fn(*args, initial_state=initial_state.read(), **kwargs)
-    return (*out, initial_state.write(state))
+    read = jax.tree.map(lambda x: x.read() if _is_slot(x) else x, initial_state, is_leaf=_is_slot)
+    *out, state = fn(*args, initial_state=read, **kwargs)
+    return (*out, jax.tree.map(lambda x, new: x.write(new) if _is_slot(x) else new, initial_state, state,
+                               is_leaf=_is_slot))
 
 
 def initial_state(state, shape: tuple[int, ...]):

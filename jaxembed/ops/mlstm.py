@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxembed.errors import check_positive_int
-from jaxembed.ops.common import bmm
+from jaxembed.ops.common import StateSlot, bmm
 
 F32 = jnp.float32
 EPS = 1e-6  # transformers' xLSTMConfig.eps default
@@ -76,7 +76,8 @@ def _check(q, k, v, i, f, initial_state) -> State:
     expected = ((b, h, dk, dv), (b, h, dk), (b, h))
     if (C.shape, n.shape, m.shape) != expected:
         raise ValueError(f"initial_state (C, n, m) has shapes {(C.shape, n.shape, m.shape)}, expected {expected}")
-    return State(C.astype(F32), n.astype(F32), m.astype(F32))
+    # C may be a `StateSlot` (the xLSTM layer's, updated in place by the kernel): it stays one
+    return State(C if isinstance(C, StateSlot) else C.astype(F32), n.astype(F32), m.astype(F32))
 
 
 def _normalise(num, den, m, eps):
