@@ -14,8 +14,6 @@ old choice and nothing is read from module state or the environment while JAX tr
 
 from __future__ import annotations
 
-import functools
-
 import jax
 
 from jaxembed.kernels.common import BlockSizes, heuristic
@@ -41,9 +39,10 @@ def resolve(backend: str) -> str:
     return backend
 
 
-def _dispatch(name: str, form: str = "chunked", *, slots: bool = False):
-    """The operator `form` of family `name`. An `initial_state` may be an `ops.common.StateSlot`;
-    with `slots` the kernel reads and writes it in place, elsewhere it is read and written back."""
+def _dispatch(name: str, form: str = "chunked"):
+    """The operator `form` of family `name`. An `initial_state` may be (or hold) an
+    `ops.common.StateSlot`: every kernel takes it as it is (in place where it can address it), the
+    XLA form gets it read and written back (`ops.common.through_slot`)."""
     import importlib
 
     def op(*args, backend: str, blocks: BlockSizes | None = None, **kwargs):
@@ -51,20 +50,19 @@ def _dispatch(name: str, form: str = "chunked", *, slots: bool = False):
         if chosen == "xla":
             return through_slot(getattr(importlib.import_module(f"jaxembed.ops.{name}"), form), *args, **kwargs)
         kernel = getattr(importlib.import_module(f"jaxembed.kernels.{name}"), form)
-        return (kernel if slots else functools.partial(through_slot, kernel))(
-            *args, blocks=blocks, interpret=chosen == "interpret", **kwargs)
+        return kernel(*args, blocks=blocks, interpret=chosen == "interpret", **kwargs)
 
     op.__name__ = f"{name}_{form}"
     op.__doc__ = f"`ops.{name}.{form}` or its Pallas kernel, as `resolve(backend)` decides."
     return op
 
 
-ssd_chunked = _dispatch("ssd", slots=True)
-ssd_chunked_xbc = _dispatch("ssd", "chunked_xbc", slots=True)
-ssd_conv_chunked = _dispatch("ssd", "conv_chunked", slots=True)
-wkv7_chunked = _dispatch("wkv7", slots=True)
-wkv7_rwkv7_chunked = _dispatch("wkv7", "rwkv7_chunked", slots=True)
-mlstm_chunked = _dispatch("mlstm", slots=True)
+ssd_chunked = _dispatch("ssd")
+ssd_chunked_xbc = _dispatch("ssd", "chunked_xbc")
+ssd_conv_chunked = _dispatch("ssd", "conv_chunked")
+wkv7_chunked = _dispatch("wkv7")
+wkv7_rwkv7_chunked = _dispatch("wkv7", "rwkv7_chunked")
+mlstm_chunked = _dispatch("mlstm")
 
 __all__ = ["BACKENDS", "BlockSizes", "heuristic", "resolve", "ssd_chunked", "ssd_chunked_xbc", "ssd_conv_chunked",
            "wkv7_chunked", "wkv7_rwkv7_chunked",
