@@ -261,10 +261,34 @@ def kind(ins: Instruction, comps: dict | None = None) -> str:
     return "glue"
 
 
+def _dims(shape: str) -> list[int]:
+    return [int(d) for d in SHAPE.search(shape).group(2).split(",") if d]
+
+
+def gemm_flops(ins: Instruction, shapes: dict, comps: dict) -> int:
+    """2 x output elements x contracted size of a GEMM launch: a cuBLAS call, a fusion around one,
+    or a Triton GEMM fusion (its dot)."""
+    if _is_cublas(ins) or ins.op == "dot":
+        if ins.op == "dot":
+            contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs).group(1).split(",")
+        else:
+            contracted = re.findall(r'"(\d+)"', re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]',
+                                                          ins.attrs).group(1))
+        lhs = _dims(shapes[ins.operands[0]])
+        k = 1
+        for axis in filter(None, contracted):
+            k *= lhs[int(axis)]
+        return 2 * elements(SHAPE.search(ins.shape).group(0)) * k
+    body = _called(ins, comps)
+    inner = {i.name: i.shape for i in body}
+    return sum(gemm_flops(i, inner, comps) for i in body if _is_cublas(i) or i.op == "dot")
+
+
 def traffic(hlo: str) -> dict:
-    """HBM bytes per call by kind, glue launches per call, and the glue ops by bytes."""
+    """HBM bytes per call by kind, glue launches per call, GEMM FLOPs per call, each GEMM launch's
+    (FLOPs, bytes, runs per call), and the glue ops by bytes."""
     comps = computations(hlo)
-    out = {"gemm": 0, "kernel": 0, "copy": 0, "glue": 0, "glue_launches": 0}
+    out = {"gemm": 0, "kernel": 0, "copy": 0, "glue": 0, "glue_launches": 0, "gemm_flops": 0, "gemms": []}
     glue_ops = []
     for comp, times in trip_multipliers(hlo, comps).items():
         shapes = {i.name: i.shape for i in comps[comp]}
@@ -274,6 +298,10 @@ def traffic(hlo: str) -> dict:
             k = kind(ins, comps)
             moved = 2 * shape_bytes(_copied(ins, comps)) if k == "copy" else launch_bytes(ins, shapes, comps)
             out[k] += moved * times
+            if k == "gemm":
+                flops = gemm_flops(ins, shapes, comps)
+                out["gemm_flops"] += flops * times
+                out["gemms"].append((flops, moved, times))  # per launch, for a roofline
             if k == "glue":
                 out["glue_launches"] += times
                 glue_ops.append((moved * times, ins.name, times, ins.shape.split("{")[0][:56]))

@@ -34,9 +34,10 @@ class DerivedWeight:
         """The matrix itself, in `self.dtype`."""
         raise NotImplementedError
 
-    def matmul(self, x, compute_dtype) -> jax.Array:
-        """x [b, t, d_in] @ self -> [b, t, d_out] float32, operands in `compute_dtype`."""
-        return dot(x, self.dense(), compute_dtype)
+    def matmul(self, x, compute_dtype, out_dtype=F32) -> jax.Array:
+        """x [b, t, d_in] @ self -> [b, t, d_out] in out_dtype (accumulated in float32), operands in
+        `compute_dtype`."""
+        return dot(x, self.dense(), compute_dtype, out_dtype)
 
 
 def is_derived(leaf) -> bool:
@@ -57,8 +58,10 @@ def linear(x, w, compute_dtype=None, bias=None, out_dtype=F32):
     compute_dtype = x.dtype if compute_dtype is None else compute_dtype
     if bias is None and not is_derived(w):
         return dot(x, w, compute_dtype, out_dtype)
+    if bias is None:  # a derived weight writes out_dtype itself (under autodiff: a cotangent in out_dtype)
+        return w.matmul(x, compute_dtype, out_dtype)
     y = w.matmul(x, compute_dtype) if is_derived(w) else dot(x, w, compute_dtype)
-    return (y if bias is None else y + bias.astype(F32)).astype(out_dtype)
+    return (y + bias.astype(F32)).astype(out_dtype)
 
 
 def lm_head(hidden, head):

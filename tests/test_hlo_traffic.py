@@ -65,7 +65,7 @@ HloModule jit_layers, is_scheduled=true
   %x = bf16[256,1024]{1,0} get-tuple-element(%arg), index=3
   %w_l = bf16[1,1024,2048]{2,1,0} fusion(%w, %i), kind=kCustom, calls=%fused_weight_slice, backend_config={"fusion_backend_config":{"kind":"__custom_fusion","custom_fusion_config":{"name":"dynamic_slice_fusion","kernel_index":0}}}
   %w_b = bf16[1024,2048]{1,0} bitcast(%w_l)
-  %gemm = (bf16[256,2048]{1,0}, s8[4194304]{0}) custom-call(%x, %w_b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"beta":0}}
+  %gemm = (bf16[256,2048]{1,0}, s8[4194304]{0}) custom-call(%x, %w_b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
   %h = bf16[256,2048]{1,0} get-tuple-element(%gemm), index=0
   %y = f32[256,512]{1,0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"ssd_chunked"}
   %gated = f32[256,512]{1,0} fusion(%h, %y), kind=kLoop, calls=%fused_gate
@@ -109,6 +109,9 @@ def test_bytes_by_kind_follow_the_loop_trip_count_slices_and_in_place_updates():
     assert t["glue"] == layers * (gate + store + increment) + cast
     assert t["glue_launches"] == layers * 3 + 1
     assert [name for _, name, _, _ in t["top_glue"][:2]] == ["gated", "stored"]
+    # 2 M N K per layer, and each launch's (FLOPs, bytes, runs) for a roofline
+    assert t["gemm_flops"] == layers * 2 * 256 * 2048 * 1024
+    assert t["gemms"] == [(2 * 256 * 2048 * 1024, t["gemm"] // layers, layers)]
 
 
 def test_a_loop_without_a_known_trip_count_is_an_error_not_a_guess():
@@ -195,7 +198,7 @@ def test_a_gemm_reading_its_weight_slice_in_place_is_a_gemm_not_a_copy():
     folded = HLO.replace("""  ROOT %copy = bf16[1,1024,2048]{2,1,0} copy(%ds)
 }""", """  %ds_b = bf16[1024,2048]{1,0} bitcast(%ds)
   %param_2 = bf16[256,1024]{1,0} parameter(2)
-  ROOT %gemm_in = (bf16[256,2048]{1,0}, s8[4194304]{0}) custom-call(%param_2, %ds_b), custom_call_target="__cublas$lt$matmul"
+  ROOT %gemm_in = (bf16[256,2048]{1,0}, s8[4194304]{0}) custom-call(%param_2, %ds_b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
 }""").replace("(param_0: bf16[4,1024,2048], param_1: s32[]) -> bf16[1,1024,2048]",
               "(param_0: bf16[4,1024,2048], param_1: s32[], param_2: bf16[256,1024]) -> (bf16[256,2048], s8[4194304])")
     folded = folded.replace("""  %w_l = bf16[1,1024,2048]{2,1,0} fusion(%w, %i)""", """  %gemm = (bf16[256,2048]{1,0}, s8[4194304]{0}) fusion(%w, %i, %x)""")
@@ -207,6 +210,7 @@ def test_a_gemm_reading_its_weight_slice_in_place_is_a_gemm_not_a_copy():
     # x, the layer's weight slice, the result; and the layer index it reads the slice at
     assert t["gemm"] == before["gemm"] + 4 * 4 == 4 * (256 * 1024 * 2 + 1024 * 2048 * 2 + 256 * 2048 * 2 + 4)
     assert (t["kernel"], t["glue"]) == (before["kernel"], before["glue"])
+    assert t["gemm_flops"] == before["gemm_flops"]  # the FLOPs of the cuBLAS call inside the fusion
 
 
 def test_an_async_weight_slice_copy_counts_once_as_a_copy():

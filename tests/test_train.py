@@ -21,7 +21,7 @@ from jaxembed.models.transformer import TransformerConfig
 from jaxembed.train import lora as lora_lib
 from jaxembed.train.loss import info_nce
 from jaxembed.train.quant import nf4_levels, quantize_nf4
-from jaxembed.train.step import StepConfig, loss_and_grads
+from jaxembed.train.step import StepConfig, length_plan, loss_and_grads
 from jaxembed.weights import linear
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +64,31 @@ def test_lora_products_match_the_formula():
             assert rel_err(linear(jnp.asarray(x), weight), expected) < 1e-6
             assert rel_err(weight.dense(), w_ref + scale * a.astype(np.float64) @ b) < 1e-6
 
+
+
+def test_lora_bfloat16_output_and_cotangent():
+    """A bfloat16 layer output: x W and s (x A) B each written in bfloat16 and added (within bf16
+    rounding of the float64 formula), and the backward's cotangent stays bfloat16: no float32
+    array of the output's shape anywhere in the gradient's program."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(2, 5, 48)), jnp.bfloat16)
+    w = jnp.asarray(0.1 * rng.normal(size=(48, 40)), jnp.bfloat16)
+    a, b = jnp.asarray(rng.normal(size=(48, 4)), jnp.float32), jnp.asarray(0.1 * rng.normal(size=(4, 40)), jnp.float32)
+
+    def product(x, a, b):
+        return linear(x, lora_lib.LoraWeight(w, a, b, 4.0), out_dtype=jnp.bfloat16)
+
+    y = product(x, a, b)
+    assert y.dtype == jnp.bfloat16
+    xf, wf = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    af = np.asarray(a.astype(jnp.bfloat16), np.float64)  # the adapters enter the GEMMs in the compute dtype
+    down = np.asarray((4.0 * (x.astype(jnp.float32) @ a.astype(jnp.bfloat16))).astype(jnp.bfloat16), np.float64)
+    expected = xf @ wf + down @ np.asarray(b.astype(jnp.bfloat16), np.float64)
+    assert rel_err(y, expected) < 8e-3
+    assert rel_err(y, xf @ wf + 4.0 * (xf @ af) @ np.asarray(b, np.float64)) < 2e-2
+    grads = jax.make_jaxpr(lambda *args: jax.vjp(product, *args)[1](jnp.ones((2, 5, 40), jnp.bfloat16)))(x, a, b)
+    shapes = [(v.aval.shape, v.aval.dtype) for eqn in grads.eqns for v in eqn.outvars]
+    assert ((2, 5, 40), jnp.dtype(jnp.float32)) not in shapes, shapes
 
 def test_info_nce_matches_the_paper_equation():
     """Section 3.1: the negatives of query i are its own hard negatives and every positive and
@@ -156,6 +181,37 @@ def test_lora_config_errors():
         lora_lib.LoraConfig(rank=0)
     with pytest.raises(ValueError, match="NF4 quantises matrices"):
         quantize_nf4(jnp.ones(7))
+
+
+@pytest.mark.parametrize("grad_cache_size", [None, 2])
+def test_length_groups_give_the_one_block_loss_and_gradient(grad_cache_size):
+    """Texts sorted by length into 4 groups, each padded to its own bucket (short queries, long
+    documents): loss and gradient equal the one-block step's (itself checked against jax.grad and
+    the reference models), with and without GradCache. A text cut short by its group, or an
+    embedding put back in the wrong row, would change the loss."""
+    cfg, params, lora, adapters, batch = _tiny_setup(seed=5, lengths=(6, 21, 21))
+    for key in ("query_ids", "pos_ids", "neg_ids"):  # one padded length, the longest's bucket, as batches have
+        batch[key] = jnp.pad(batch[key], [(0, 0)] * (batch[key].ndim - 1) + [(0, 24 - batch[key].shape[-1])])
+    lengths = np.concatenate([batch["query_len"], batch["pos_len"], np.asarray(batch["neg_len"]).reshape(-1)])
+    plan = length_plan(lengths, 4, cfg.chunk_size)
+    assert len(set(plan)) > 1 and plan[-1] == 24, plan
+    f = jax.jit(loss_and_grads, static_argnums=3, static_argnames="plan")
+    sc = StepConfig(cfg, lora, grad_cache_size=grad_cache_size, remat=grad_cache_size is not None)
+    loss_one, g_one = f(adapters, params, batch, sc)
+    loss_groups, g_groups = f(adapters, params, batch, sc, plan=plan)
+    assert abs(float(loss_groups) - float(loss_one)) <= 1e-6 * abs(float(loss_one))
+    for full, grouped in zip(jax.tree.leaves(g_one), jax.tree.leaves(g_groups), strict=True):
+        assert rel_err(grouped, full) < 1e-5
+
+
+def test_length_plan():
+    """Each of the equal groups of the sorted lengths padded to its longest text's bucket."""
+    lengths = np.array([3, 40, 9, 9, 17, 2, 33, 64])
+    assert length_plan(lengths, 1, 16) == (64,)
+    assert length_plan(lengths, 4, 16) == (16, 16, 48, 64)  # (2 3) (9 9) (17 33) (40 64); 16 at least
+    assert length_plan(lengths, 2, 128) == (16, 64)
+    with pytest.raises(ValueError, match="do not split into 3 equal length groups"):
+        length_plan(lengths, 3, 16)
 
 
 def test_in_batch_negatives_only_train():

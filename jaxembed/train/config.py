@@ -5,7 +5,7 @@
     lora:        {rank, alpha, targets, modules_to_save} | null (full-parameter training)
     quantization: null | nf4
     train:       {batch_size, grad_cache_size, remat, learning_rate, warmup_steps, weight_decay,
-                  temperature, epochs, max_steps, seed}
+                  temperature, epochs, max_steps, seed, log_every, length_groups}
     mesh:        {data, fsdp}
     checkpoint:  {directory, every, keep}
     eval:        {every, k, max_queries, batch_size}
@@ -76,6 +76,9 @@ class TrainSection:
     max_steps: int | None = None
     seed: int = 0
     log_every: int = 10  # metrics read back from the device every N steps (no host sync per step)
+    # the batch's texts sorted by length into this many equal groups, each padded to its own bucket
+    # (fewer padded tokens for one compile per distinct plan; 1: everything padded to the longest)
+    length_groups: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +141,7 @@ class TrainConfig:
         if "{prompt}" not in self.data.query_template:
             raise ConfigError(f"data.query_template must contain '{{prompt}}', got {self.data.query_template!r}")
         t = self.train
-        for name in ("batch_size", "epochs", "warmup_steps", "log_every"):
+        for name in ("batch_size", "epochs", "warmup_steps", "log_every", "length_groups"):
             if getattr(t, name) < (0 if name == "warmup_steps" else 1):
                 raise ConfigError(
                     f"train.{name} must be {'>= 0' if name == 'warmup_steps' else 'positive'}, got {getattr(t, name)}"

@@ -111,9 +111,12 @@ class LoraWeight(DerivedWeight):
         base = densify(self.base)
         return (base.astype(F32) + self.scale * jnp.matmul(self.a, self.b)).astype(base.dtype)
 
-    def matmul(self, x, compute_dtype):
-        down = dot(x, self.a, compute_dtype)  # [b, t, r]
-        return linear(x, self.base, compute_dtype) + self.scale * dot(down, self.b, compute_dtype)
+    def matmul(self, x, compute_dtype, out_dtype=F32):
+        """x W + s (x A) B, each product accumulated in float32 and written in out_dtype: with a
+        bfloat16 out_dtype the GEMMs write bfloat16 and the backward's cotangent stays bfloat16 (a
+        float32 product cast down would make it float32, written and cast back for each GEMM)."""
+        down = self.scale * dot(x, self.a, compute_dtype)  # [b, t, r] float32
+        return linear(x, self.base, compute_dtype, out_dtype=out_dtype) + dot(down, self.b, compute_dtype, out_dtype)
 
 
 def init_adapters(config, params, lora: LoraConfig, key) -> dict:

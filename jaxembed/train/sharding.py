@@ -81,6 +81,14 @@ def sub_batch_sharding(mesh: Mesh):
     return sharding
 
 
+def row_sharding(mesh: Mesh):
+    """For a step's length-group blocks [n, ...]: the rows over data x fsdp when n divides evenly
+    (else None: the compiler places them)."""
+    def sharding(shape):
+        return None if shape[0] % batch_shards(mesh) else batch_sharding(mesh, len(shape))
+    return sharding
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -37,7 +37,7 @@ from jaxembed.train import lora as lora_lib
 from jaxembed.train import pipeline
 from jaxembed.train import sharding as sh
 from jaxembed.train.config import TrainConfig
-from jaxembed.train.step import BATCH_KEYS, StepConfig, TrainState, make_optimizer, train_step
+from jaxembed.train.step import BATCH_KEYS, StepConfig, TrainState, length_plan, make_optimizer, train_step
 
 KILL_AFTER_STEP_ENV = "JAXEMBED_TRAIN_KILL_AFTER_STEP"  # test hook: SIGKILL this process after that step
 
@@ -100,6 +100,8 @@ class Batch:
     source: str
     tokens: int  # real (unpadded) tokens
     truncated: int  # texts cut to max_tokens
+    plan: tuple[int, ...]  # the step's length groups: each group's padded length (step.length_plan)
+    padded_tokens: int  # tokens the step computes, padding included
 
 
 class Trainer:
@@ -187,8 +189,9 @@ class Trainer:
                                  for n in self.family.LINEAR_PARAMS if n in self.stored_params["layers"])
         self.peak_flops = sh.peak_flops(self.mesh)  # for model FLOP utilisation; None where unknown
         self.grad_cache_size = self._fit_grad_cache(t.grad_cache_size, memory_limit_bytes)
+        self.length_groups = self._length_groups(self.grad_cache_size)
         self.step_config = self._step_config(self.grad_cache_size)
-        self._step_fn = self._jit_step(self.step_config)
+        self._step_fns = {}  # length plan -> the step compiled for it
         self.manager = ocp.CheckpointManager(
             Path(cfg.checkpoint.directory).expanduser().absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint.keep,
@@ -205,14 +208,30 @@ class Trainer:
         return StepConfig(self.config, self.lora, t.temperature, grad_cache_size, t.remat, self.cfg.model.kernels,
                           self.chunk_size)
 
-    def _jit_step(self, sc: StepConfig):
+    def _jit_step(self, sc: StepConfig, plan: tuple[int, ...]):
         return jax.jit(
             partial(train_step, sc=sc, optimizer=self.optimizer, lr_schedule=self.lr_schedule,
-                    sub_batch_sharding=sh.sub_batch_sharding(self.mesh)),
+                    sub_batch_sharding=sh.sub_batch_sharding(self.mesh), plan=plan,
+                    row_sharding=sh.row_sharding(self.mesh)),
             in_shardings=(self.state_shardings, self.base_shardings, None),
             out_shardings=(self.state_shardings, sh.replicated(self.mesh)),
             donate_argnums=0,
         )
+
+    def _step_fn(self, plan: tuple[int, ...]):
+        """The step for a length plan, jit-ed once per plan (a handful: buckets are powers of two up to Q)."""
+        if plan not in self._step_fns:
+            self._step_fns[plan] = self._jit_step(self.step_config, plan)
+        return self._step_fns[plan]
+
+    def _length_groups(self, grad_cache_size) -> int:
+        """train.length_groups, or the largest count below it that splits the batch's N = B (2 + k)
+        texts into equal groups that split evenly over the GradCache sub-batches and the batch shards."""
+        b, k = self.cfg.train.batch_size, self.cfg.data.negatives_per_query
+        n_sub = 1 if grad_cache_size is None else b // grad_cache_size
+        texts = b * (2 + k)
+        return next(g for g in range(self.cfg.train.length_groups, 0, -1)
+                    if g == 1 or texts % (g * n_sub * self.shards) == 0)
 
     def _step_bytes(self, grad_cache_size) -> int | None:
         """Device bytes the step needs at the longest batch (`memory_analysis` of the compiled step:
@@ -226,7 +245,9 @@ class Trainer:
         batch = {key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh.batch_sharding(self.mesh, len(shape)))
                  for key, shape in shapes.items()}
         try:
-            compiled = self._jit_step(self._step_config(grad_cache_size)).lower(self.state, self.base, batch).compile()
+            plan = (L,) * self._length_groups(grad_cache_size)  # every group at the longest: the step's most
+            compiled = self._jit_step(self._step_config(grad_cache_size), plan).lower(self.state, self.base,
+                                                                                        batch).compile()
             mem = compiled.memory_analysis()
         except Exception as err:  # XLA refuses to compile a step that cannot fit
             if "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower():
@@ -281,7 +302,9 @@ class Trainer:
         epoch, index = divmod(step, self.steps_per_epoch)
         source, rows = self._plan(epoch)[index]
         arrays, tokens, truncated = self.tokens[source].batch(rows, self.chunk_size)
-        return Batch(arrays, source, tokens, truncated)
+        lengths = np.concatenate([arrays["query_len"], arrays["pos_len"], arrays["neg_len"].reshape(-1)])
+        plan = length_plan(lengths, self.length_groups, self.chunk_size)
+        return Batch(arrays, source, tokens, truncated, plan, len(lengths) // len(plan) * sum(plan))
 
     def _device_batch(self, batch: Batch):
         return {key: sh.global_array(batch.arrays[key], sh.batch_sharding(self.mesh, batch.arrays[key].ndim))
@@ -345,7 +368,7 @@ class Trainer:
         tick = time.perf_counter()
         batch = self.batch(step)
         self.truncated += batch.truncated
-        self.state, metrics = self._step_fn(self.state, self.base, self._device_batch(batch))
+        self.state, metrics = self._step_fn(batch.plan)(self.state, self.base, self._device_batch(batch))
         return self._rows([(step, batch, metrics, self.truncated)], tick, 0.0)[0]
 
     def _rows(self, pending, window_start: float, input_wait_s: float) -> list[dict]:
@@ -358,7 +381,8 @@ class Trainer:
         flops = 6 * self.matmul_params * tokens  # model FLOPs (forward + backward), no recompute counted
         window = {"tokens_per_s": tokens / seconds, "input_wait_share": input_wait_s / seconds,
                   "mfu": None if self.peak_flops is None else flops / seconds / self.peak_flops}
-        return [{"step": step + 1, **{k: float(v) for k, v in m.items()}, "tokens": batch.tokens, **window,
+        return [{"step": step + 1, **{k: float(v) for k, v in m.items()}, "tokens": batch.tokens,
+                 "padded_tokens": batch.padded_tokens, **window,
                  "source": batch.source, "truncated_total": truncated}
                 for (step, batch, _, truncated), m in zip(pending, values, strict=True)]
 
@@ -410,7 +434,7 @@ class Trainer:
                 waited += time.perf_counter() - tick
                 upcoming = pool.submit(self.batch, step + 1) if step + 1 < self.total_steps else None
                 self.truncated += batch.truncated
-                self.state, metrics = self._step_fn(self.state, self.base, self._device_batch(batch))
+                self.state, metrics = self._step_fn(batch.plan)(self.state, self.base, self._device_batch(batch))
                 pending.append((step, batch, metrics, self.truncated))
                 bar.update(1)
                 last = step + 1 == self.total_steps
@@ -438,6 +462,7 @@ class Trainer:
         return {"rows": r.rows, "kept": r.kept, "dropped_empty": r.dropped_empty,
                 "dropped_few_negatives": r.dropped_few_negatives, "unused_negatives": r.unused_negatives,
                 "leftover_partial_batches": self.leftover, "steps_per_epoch": self.steps_per_epoch,
+                "length_groups": self.length_groups,
                 "total_steps": self.total_steps}
 
     # ---- export -----------------------------------------------------------------------
