@@ -85,6 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=CONFIGS)
     ap.add_argument("--plans", default="256;32,128,256,256",
                     help="length plans to compile, ';' between plans (one group: '256')")
+    ap.add_argument("--no-remat", action="store_true", help="compile without per-layer rematerialisation")
     ap.add_argument("--chunk-size", type=int, default=None, help="the SSD chunk Q (default: the config's)")
     ap.add_argument("--real-tokens", type=float, default=None, help="real tokens per batch, for tokens/s")
     ap.add_argument("--target", default="h100", choices=sorted(_cuda_target.TARGETS))
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
         cfg = load_train_config(ROOT / path)
         model, lora, optimizer, schedule, state, base = abstract_step_inputs(cfg, sharding)
         b, k = cfg.train.batch_size, cfg.data.negatives_per_query
-        sc = StepConfig(model, lora, cfg.train.temperature, None, cfg.train.remat, "pallas",
+        sc = StepConfig(model, lora, cfg.train.temperature, None, cfg.train.remat and not args.no_remat, "pallas",
                         args.chunk_size or cfg.model.chunk_size or model.chunk_size)
         for plan_text in args.plans.split(";"):
             plan = tuple(int(x) for x in plan_text.split(","))
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
             temps = compiled.memory_analysis().temp_size_in_bytes
             computed = b * (2 + k) // len(plan) * sum(plan)
             at_peak = flops / peak
-            gemm_roofline = sum(max(f / peak, b / bandwidth) * n for f, b, n in t["gemms"])
+            gemm_roofline = sum(max(f / peak, moved_bytes / bandwidth) * runs for f, moved_bytes, runs in t["gemms"])
             moved = (t["kernel"] + t["copy"] + t["glue"]) / bandwidth
             floor = gemm_roofline + moved
             ceiling = "" if args.real_tokens is None else f"{args.real_tokens / floor:,.0f}"

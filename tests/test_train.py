@@ -21,7 +21,7 @@ from jaxembed.models.transformer import TransformerConfig
 from jaxembed.train import lora as lora_lib
 from jaxembed.train.loss import info_nce
 from jaxembed.train.quant import nf4_levels, quantize_nf4
-from jaxembed.train.step import StepConfig, length_plan, loss_and_grads
+from jaxembed.train.step import StepConfig, cap_length_plans, length_plan, loss_and_grads
 from jaxembed.weights import linear
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,6 @@ def test_lora_products_match_the_formula():
             assert rel_err(weight.dense(), w_ref + scale * a.astype(np.float64) @ b) < 1e-6
 
 
-
 def test_lora_bfloat16_output_and_cotangent():
     """A bfloat16 layer output: x W and s (x A) B each written in bfloat16 and added (within bf16
     rounding of the float64 formula), and the backward's cotangent stays bfloat16: no float32
@@ -89,6 +88,7 @@ def test_lora_bfloat16_output_and_cotangent():
     grads = jax.make_jaxpr(lambda *args: jax.vjp(product, *args)[1](jnp.ones((2, 5, 40), jnp.bfloat16)))(x, a, b)
     shapes = [(v.aval.shape, v.aval.dtype) for eqn in grads.eqns for v in eqn.outvars]
     assert ((2, 5, 40), jnp.dtype(jnp.float32)) not in shapes, shapes
+
 
 def test_info_nce_matches_the_paper_equation():
     """Section 3.1: the negatives of query i are its own hard negatives and every positive and
@@ -204,14 +204,41 @@ def test_length_groups_give_the_one_block_loss_and_gradient(grad_cache_size):
         assert rel_err(grouped, full) < 1e-5
 
 
-def test_length_plan():
-    """Each of the equal groups of the sorted lengths padded to its longest text's bucket."""
+def test_length_plan_and_its_checks():
+    """Each of the equal groups of the sorted lengths padded to its longest text's bucket; a plan
+    that does not fit the batch is an error, not texts dropped or cut."""
     lengths = np.array([3, 40, 9, 9, 17, 2, 33, 64])
     assert length_plan(lengths, 1, 16) == (64,)
     assert length_plan(lengths, 4, 16) == (16, 16, 48, 64)  # (2 3) (9 9) (17 33) (40 64); 16 at least
     assert length_plan(lengths, 2, 128) == (16, 64)
     with pytest.raises(ValueError, match="do not split into 3 equal length groups"):
         length_plan(lengths, 3, 16)
+    cfg, params, lora, adapters, batch = _tiny_setup(b=4, k=1, lengths=(16, 16, 16))  # 12 texts
+    sc = StepConfig(cfg, lora, remat=False)
+    for plan in [(16, 16, 16, 16, 16), (16, 8), (8, 16, 32)]:  # 12 rows in 5 groups; decreasing; past the columns
+        with pytest.raises(ValueError, match=rf"plan \({plan[0]}, .* does not fit a batch of 12 texts padded to 16"):
+            loss_and_grads(adapters, params, batch, sc, plan=plan)
+
+
+def test_a_run_compiles_at_most_eight_length_plans():
+    """Past MAX_LENGTH_PLANS distinct plans, the 7 most frequent and the elementwise maximum are
+    kept and every other plan runs padded up to the cheapest kept plan that covers it."""
+    assert cap_length_plans([(16, 64), (32, 64), (16, 64)]) == {(16, 64): (16, 64), (32, 64): (32, 64)}
+    plans = [(16, 256)] * 5 + [(32, 256)] * 4 + [(16, 128)] * 3 + [(64, 128)] * 2 + [(32, 128), (64, 64), (128, 128)]
+    capped = cap_length_plans(plans, limit=4)  # keep (16, 256), (32, 256), (16, 128) and the cover (128, 256)
+    assert set(capped.values()) == {(16, 256), (32, 256), (16, 128), (128, 256)}
+    assert capped[(64, 128)] == capped[(128, 128)] == (128, 256)  # nothing smaller covers 64 or 128 in group 1
+    assert capped[(32, 128)] == (32, 256) and capped[(64, 64)] == (128, 256)
+    assert all(kept == plan for plan, kept in capped.items() if plan in [(16, 256), (32, 256), (16, 128)])
+
+
+def test_length_groups_must_be_a_positive_int():
+    from jaxembed.train.config import config_from_dict
+
+    base = {"model": {"init": "configs/models/tiny-train-mamba2.yaml"}, "data": {"train": ["x.jsonl"]}}
+    for value in (2.5, None, True, 0, "4"):
+        with pytest.raises(ConfigError, match="train.length_groups"):
+            config_from_dict({**base, "train": {"length_groups": value}})
 
 
 def test_in_batch_negatives_only_train():

@@ -55,14 +55,23 @@ class TokenizedSource:
     def __len__(self) -> int:
         return len(self.truncated)
 
-    def batch(self, rows, chunk_size: int) -> tuple[dict[str, np.ndarray], int, int]:
-        """(arrays for `BATCH_KEYS` padded to one length bucket, real tokens, texts truncated) of `rows`."""
+    def text_lengths(self, rows) -> np.ndarray:
+        """The lengths of the rows' texts in the step's order: queries, positives, then negatives
+        (query-major)."""
+        rows = np.asarray(rows, np.int64)
+        k = self.negatives_per_query
+        neg_rows = (rows[:, None] * k + np.arange(k)).reshape(-1)
+        return np.concatenate([self.query.lengths[rows], self.positive.lengths[rows], self.negatives.lengths[neg_rows]])
+
+    def batch(self, rows, chunk_size: int, length: int = 0) -> tuple[dict[str, np.ndarray], int, int]:
+        """(arrays for `BATCH_KEYS` padded to one length bucket, or to `length` if longer, real tokens,
+        texts truncated) of `rows`."""
         rows = np.asarray(rows, np.int64)
         b, k = len(rows), self.negatives_per_query
         neg_rows = (rows[:, None] * k + np.arange(k)).reshape(-1)
         lengths = [self.query.lengths[rows], self.positive.lengths[rows], self.negatives.lengths[neg_rows]]
         longest = max(int(x.max()) for x in lengths if x.size)
-        L = bucket_length(longest, chunk_size)
+        L = max(bucket_length(longest, chunk_size), length)
         arrays = {
             "query_ids": self.query.padded(rows, L), "query_len": lengths[0],
             "pos_ids": self.positive.padded(rows, L), "pos_len": lengths[1],

@@ -9,7 +9,7 @@ Length groups: the step embeds the N = B (2 + k) texts as `plan` = (L_1, ..., L_
 texts sorted by length and split into G equal row blocks, block g cut to L_g columns
 (`length_plan`, on the host, picks each block's bucket from the same sort). A batch of ~30-token
 queries and ~170-token documents is then not all padded to its longest text: on the code-search
-corpus 4 groups compute 1.5x fewer padded tokens. The embeddings are put back in batch order
+corpus 4 groups compute 1.45x fewer tokens. The embeddings are put back in batch order
 before the loss, so the loss is the one-block loss.
 
 GradCache (Gao et al., 2021) makes a batch of 2048 fit: embed the batch in sub-batches of m
@@ -21,6 +21,7 @@ gradients. By the chain rule this is the full-batch gradient; memory is that of 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any, NamedTuple
 
 import jax
@@ -79,6 +80,9 @@ def _texts(batch):
     return ids, lengths
 
 
+MAX_LENGTH_PLANS = 8  # distinct length plans (step compilations) a run uses at most (`cap_length_plans`)
+
+
 def length_plan(lengths: np.ndarray, groups: int, chunk_size: int) -> tuple[int, ...]:
     """The padded length of each of `groups` equal row blocks of the texts sorted by length: the
     bucket of each block's longest text. lengths: the N text lengths in `_texts` order (host)."""
@@ -89,12 +93,32 @@ def length_plan(lengths: np.ndarray, groups: int, chunk_size: int) -> tuple[int,
     return tuple(bucket_length(int(lengths[(g + 1) * n - 1]), chunk_size) for g in range(groups))
 
 
+def cap_length_plans(plans, limit: int = MAX_LENGTH_PLANS) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Each of a run's length plans -> the plan its batches run with. With more than `limit`
+    distinct plans (one compilation each), the limit - 1 most frequent are kept with the
+    elementwise maximum of all, and every other plan runs padded up to the kept plan that covers
+    it (each group at least as long) with the fewest tokens. A pure function of the run's plans,
+    so a resumed run pads every step as before."""
+    counts = Counter(plans)
+    if len(counts) <= limit:
+        return {plan: plan for plan in counts}
+    kept = [plan for plan, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0]))[: limit - 1]]
+    cover = tuple(max(lengths) for lengths in zip(*counts, strict=True))
+    kept += [cover] if cover not in kept else []
+    return {plan: min((k for k in kept if all(a >= b for a, b in zip(k, plan, strict=True))),
+                      key=lambda k: (sum(k), k)) for plan in counts}
+
+
 def _blocks(ids, lengths, plan: tuple[int, ...], row_sharding=None):
     """[N, L] texts -> ([(ids [N / G, L_g], lengths [N / G])] for the plan's G blocks, order [N] or
     None): block g holds the texts at order[g N / G : (g + 1) N / G], order sorting them by
-    length (stable, as `length_plan` sorts)."""
-    if max(plan) > ids.shape[1]:
-        raise ValueError(f"length plan {plan} is longer than the batch's {ids.shape[1]} columns")
+    length (stable, as `length_plan` sorts). The plan must come from `length_plan` of these
+    lengths (or cover it): under jit the lengths are not known, and a shorter block would cut
+    its texts."""
+    if ids.shape[0] % len(plan) or list(plan) != sorted(plan) or max(plan) > ids.shape[1]:
+        raise ValueError(f"length plan {plan} does not fit a batch of {ids.shape[0]} texts padded to {ids.shape[1]}: "
+                         "it needs equal groups, non-decreasing lengths and the batch padded to its last length "
+                         "(use `length_plan` on the batch's lengths)")
     if len(plan) == 1:
         return [(ids[:, : plan[0]], lengths)], None
     order = jnp.argsort(lengths, stable=True)
@@ -111,7 +135,9 @@ def _blocks(ids, lengths, plan: tuple[int, ...], row_sharding=None):
 
 def _unsort(sorted_rows, order):
     """Rows in length order (the blocks concatenated) -> batch order."""
-    return sorted_rows if order is None else sorted_rows[jnp.argsort(order)]
+    if order is None:
+        return sorted_rows
+    return sorted_rows[jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))]
 
 
 def _triples(embeddings, b: int):

@@ -37,7 +37,15 @@ from jaxembed.train import lora as lora_lib
 from jaxembed.train import pipeline
 from jaxembed.train import sharding as sh
 from jaxembed.train.config import TrainConfig
-from jaxembed.train.step import BATCH_KEYS, StepConfig, TrainState, length_plan, make_optimizer, train_step
+from jaxembed.train.step import (
+    BATCH_KEYS,
+    StepConfig,
+    TrainState,
+    cap_length_plans,
+    length_plan,
+    make_optimizer,
+    train_step,
+)
 
 KILL_AFTER_STEP_ENV = "JAXEMBED_TRAIN_KILL_AFTER_STEP"  # test hook: SIGKILL this process after that step
 
@@ -190,6 +198,9 @@ class Trainer:
         self.peak_flops = sh.peak_flops(self.mesh)  # for model FLOP utilisation; None where unknown
         self.grad_cache_size = self._fit_grad_cache(t.grad_cache_size, memory_limit_bytes)
         self.length_groups = self._length_groups(self.grad_cache_size)
+        # every step's length plan, decided up front from the run's batches (at most MAX_LENGTH_PLANS
+        # compilations; a pure function of the data and config, so resuming pads each step as before)
+        self.length_plans = cap_length_plans([self._raw_length_plan(step) for step in range(self.total_steps)])
         self.step_config = self._step_config(self.grad_cache_size)
         self._step_fns = {}  # length plan -> the step compiled for it
         self.manager = ocp.CheckpointManager(
@@ -219,19 +230,19 @@ class Trainer:
         )
 
     def _step_fn(self, plan: tuple[int, ...]):
-        """The step for a length plan, jit-ed once per plan (a handful: buckets are powers of two up to Q)."""
+        """The step for a length plan, jit-ed once per plan (at most MAX_LENGTH_PLANS in a run)."""
         if plan not in self._step_fns:
             self._step_fns[plan] = self._jit_step(self.step_config, plan)
         return self._step_fns[plan]
 
     def _length_groups(self, grad_cache_size) -> int:
         """train.length_groups, or the largest count below it that splits the batch's N = B (2 + k)
-        texts into equal groups that split evenly over the GradCache sub-batches and the batch shards."""
+        texts into equal groups that split evenly into the GradCache sub-batches. Not the mesh: a
+        run computes the same on any number of devices (groups whose rows do not split over the
+        batch shards are placed by the compiler)."""
         b, k = self.cfg.train.batch_size, self.cfg.data.negatives_per_query
         n_sub = 1 if grad_cache_size is None else b // grad_cache_size
-        texts = b * (2 + k)
-        return next(g for g in range(self.cfg.train.length_groups, 0, -1)
-                    if g == 1 or texts % (g * n_sub * self.shards) == 0)
+        return next(g for g in range(self.cfg.train.length_groups, 0, -1) if b * (2 + k) % (g * n_sub) == 0)
 
     def _step_bytes(self, grad_cache_size) -> int | None:
         """Device bytes the step needs at the longest batch (`memory_analysis` of the compiled step:
@@ -297,14 +308,21 @@ class Trainer:
         instruction = row.get("instruction") or self.cfg.data.instructions.get(source, "")
         return (self.query_template.format(prompt=instruction) if instruction else "") + row["query"]
 
+    def _rows_of_step(self, step: int):
+        epoch, index = divmod(step, self.steps_per_epoch)
+        return self._plan(epoch)[index]
+
+    def _raw_length_plan(self, step: int) -> tuple[int, ...]:
+        source, rows = self._rows_of_step(step)
+        return length_plan(self.tokens[source].text_lengths(rows), self.length_groups, self.chunk_size)
+
     def batch(self, step: int) -> Batch:
         """The global batch of update `step` (0-based): a pure function of the config and the step."""
-        epoch, index = divmod(step, self.steps_per_epoch)
-        source, rows = self._plan(epoch)[index]
-        arrays, tokens, truncated = self.tokens[source].batch(rows, self.chunk_size)
-        lengths = np.concatenate([arrays["query_len"], arrays["pos_len"], arrays["neg_len"].reshape(-1)])
-        plan = length_plan(lengths, self.length_groups, self.chunk_size)
-        return Batch(arrays, source, tokens, truncated, plan, len(lengths) // len(plan) * sum(plan))
+        source, rows = self._rows_of_step(step)
+        plan = self.length_plans[self._raw_length_plan(step)]
+        arrays, tokens, truncated = self.tokens[source].batch(rows, self.chunk_size, length=plan[-1])
+        texts = arrays["query_len"].size + arrays["pos_len"].size + arrays["neg_len"].size
+        return Batch(arrays, source, tokens, truncated, plan, texts // len(plan) * sum(plan))
 
     def _device_batch(self, batch: Batch):
         return {key: sh.global_array(batch.arrays[key], sh.batch_sharding(self.mesh, batch.arrays[key].ndim))
@@ -462,7 +480,7 @@ class Trainer:
         return {"rows": r.rows, "kept": r.kept, "dropped_empty": r.dropped_empty,
                 "dropped_few_negatives": r.dropped_few_negatives, "unused_negatives": r.unused_negatives,
                 "leftover_partial_batches": self.leftover, "steps_per_epoch": self.steps_per_epoch,
-                "length_groups": self.length_groups,
+                "length_groups": self.length_groups, "length_plans": sorted(set(self.length_plans.values())),
                 "total_steps": self.total_steps}
 
     # ---- export -----------------------------------------------------------------------
