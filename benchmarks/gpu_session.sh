@@ -17,7 +17,8 @@
 #              stacked weights in place); jax 0.11.2's XLA already does it by default (docs/benchmarks.md, session 13)
 #   compare    #19: the 7B recurrent models against Mistral's sliding window (jaxembed bench model-comparison)
 #   warm       #22: warm start, a fresh process's compile share (benchmarks/warm_start.py)
-#   train      #20: the two throughput configs on the packages corpus built there (tokens/s and MFU)
+#   train      #20: the two throughput configs on the packages corpus built there (tokens/s and MFU), and the
+#              8-layer one with one length group (as before session 14) for the ratio
 #   quality    #20: a from-scratch Mamba2 against BM25 on this repository's corpus (carry .gpu-data: made by
 #              `tar -C data -czf .gpu-data/packages-mined.tar.gz packages/train-mined.jsonl packages/heldout-2000.jsonl`);
 #              resumes from its checkpoint when run again
@@ -56,7 +57,13 @@ for s in "$@"; do
             for c in 8l-512 24l-768; do
                 step "train-$c" 420 $PY -m jaxembed.cli train "configs/train/gpu-throughput-$c.yaml"
                 cp "runs/gpu-throughput-$c/metrics.jsonl" "$OUT/metrics-$c.jsonl" 2>/dev/null
-            done ;;
+            done
+            # the same 8-layer run padded as before session 14 (one length group), for the ratio
+            sed -e 's|runs/gpu-throughput-8l-512|runs/gpu-throughput-8l-512-g1|' \
+                -e 's|^  log_every: 10|  log_every: 10\n  length_groups: 1|' configs/train/gpu-throughput-8l-512.yaml \
+                > /tmp/gpu-throughput-8l-512-g1.yaml
+            step train-8l-512-g1 300 $PY -m jaxembed.cli train /tmp/gpu-throughput-8l-512-g1.yaml
+            cp runs/gpu-throughput-8l-512-g1/metrics.jsonl "$OUT/metrics-8l-512-g1.jsonl" 2>/dev/null ;;
         quality)
             mkdir -p data && tar -C data -xzf .gpu-data/packages-mined.tar.gz \
                 || { echo "quality: carry .gpu-data/packages-mined.tar.gz"; continue; }

@@ -250,13 +250,19 @@ def check(rows):
                 s_err = max(rel_err(o, r) for o, r in zip(jax.tree.leaves(out[1]), jax.tree.leaves(ref[1]),
                                                           strict=True))
                 first = next(iter(args))
-                loss = lambda a, family=family: jnp.sum(run_op(family, "pallas", a, 16)[0].astype(jnp.float32) ** 2)
-                grad = jax.jit(jax.grad(loss))(args)[first]
-                finite = bool(jnp.all(jnp.isfinite(grad.astype(jnp.float32))))
+
+                def grad(backend, a, family=family, first=first):  # SSD: the kernel backward up to 8 chunks
+                    loss = lambda a: jnp.sum(run_op(family, backend, a, 16)[0].astype(jnp.float32) ** 2)
+                    return jax.jit(jax.grad(loss))(a)[first].astype(jnp.float32)
+
+                with jax.default_matmul_precision("highest"):
+                    g_out, g_ref = grad("pallas", args), grad("xla", upcast)
+                finite = bool(jnp.all(jnp.isfinite(g_out)))
+                g_err = rel_err(g_out, g_ref)
                 rows.append(dict(family=family, dtype=jnp.dtype(dtype).name, b=b, t=t, y_rel_err=y_err,
-                                 state_rel_err=s_err, grad_finite=finite))
+                                 state_rel_err=s_err, grad_finite=finite, grad_rel_err=g_err))
                 print(f"check {family:5s} {jnp.dtype(dtype).name:8s} b={b} t={t}: y {y_err:.2e} state {s_err:.2e} "
-                      f"grad finite {finite}", flush=True)
+                      f"grad {g_err:.2e} finite {finite}", flush=True)
     check_packed_ssd(rows)
 
 
@@ -289,7 +295,7 @@ def check_packed_ssd(rows):
                 out = jax.jit(lambda a: op(a, "pallas"))(args)
             y_err, s_err = rel_err(out[0].astype(jnp.float32), ref[0]), rel_err(out[1], ref[1])
             rows.append(dict(family="ssd_xbc", dtype=jnp.dtype(dtype).name, b=b, t=t, y_rel_err=y_err,
-                             state_rel_err=s_err, grad_finite=None))
+                             state_rel_err=s_err, grad_finite=None, grad_rel_err=None))
             print(f"check ssd_xbc {jnp.dtype(dtype).name:8s} b={b} t={t}: y {y_err:.2e} state {s_err:.2e}", flush=True)
 
 
@@ -421,9 +427,11 @@ def markdown(device, rate, bw, check_rows, op_rows, enc_rows):
     out = [f"Device: {device}; measured bf16 matmul {rate / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s "
            f"(read + write); {time.strftime('%Y-%m-%d')}.", ""]
     if check_rows:
-        out += ["| kernel | dtype | b | t | y rel err | state rel err | grad finite |", "|---|---|---|---|---|---|---|"]
+        out += ["| kernel | dtype | b | t | y rel err | state rel err | grad rel err | grad finite |",
+                "|---|---|---|---|---|---|---|---|"]
         out += [f"| {r['family']} | {r['dtype']} | {r['b']} | {r['t']} | {r['y_rel_err']:.1e} | "
-                f"{r['state_rel_err']:.1e} | {r['grad_finite']} |" for r in check_rows]
+                f"{r['state_rel_err']:.1e} | {fmt(r.get('grad_rel_err'), '.1e')} | {r['grad_finite']} |"
+                for r in check_rows]
         out.append("")
     if op_rows:
         out += ["| operator (model) | b | T | Pallas ms | XLA ms | peer | peer ms | peer / Pallas | roofline ms | "

@@ -135,7 +135,8 @@ def test_kernel_matches_reference_forward_and_gradients(family, dtype):
         assert rel_err(o.astype(jnp.float32), r) < tol, (family, dtype, rel_err(o.astype(jnp.float32), r))
     for g, r in zip(grads, ref_grads, strict=True):
         assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32))))
-        # the backward is the reference's; the cotangents differ only by the forward's rounding
+        # the backward is the reference's (SSD's: its backward kernel, t <= 8 chunks); the cotangents
+        # differ only by the forward's rounding
         assert rel_err(g.astype(jnp.float32), r.astype(jnp.float32)) < tol
 
 
@@ -273,6 +274,41 @@ def test_ssd_convolving_raw_x_in_the_kernel_matches_the_recurrence(dtype):
         assert rel_err(y.astype(jnp.float32), y_ref) < tol, (t, rel_err(y.astype(jnp.float32), y_ref))
         assert rel_err(s, s_ref) < tol, (t, rel_err(s, s_ref))
         np.testing.assert_array_equal(np.asarray(conv_out), np.asarray(conv_ref))
+
+
+def test_ssd_conv_gradients_through_the_backward_kernel():
+    """Mamba2's layer path (raw x convolved in the forward kernel) differentiated: the backward
+    kernel (`kernels.ssd_backward`, sequences of at most MAX_CHUNKS of its chunks) and, past that,
+    `jax.vjp` of the reference, both against `jax.vjp` of `ops.ssd.conv_chunked`: every input's
+    cotangent, from random cotangents of y, the conv state and the SSD state, with dt clipped to a
+    dt_limit that some tokens reach."""
+    from jaxembed.kernels import ssd_backward
+
+    rng = np.random.default_rng(next(_draws))
+    b, h, p, g, n, k = 2, 4, 16, 2, 16, 4
+    e, conv_dim = h * p, h * p + 2 * g * n
+    blocks = BlockSizes(chunk=16, value_block=16)
+    kw = dict(offset=e, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8, dt_limit=(0.05, 2.0))
+    for t in (37, 16 * ssd_backward.MAX_CHUNKS + 5):  # 3 chunks: the kernel; 9: the reference
+        args = (_normal(rng, (b, t, e + conv_dim + h)), -jnp.exp(_normal(rng, (h,))),
+                _normal(rng, (b, k - 1, conv_dim)), _normal(rng, (k, conv_dim), 0.5), _normal(rng, (conv_dim,), 0.3),
+                _normal(rng, (h,)), _normal(rng, (h,), 0.5), _normal(rng, (b, h, p, n)))
+
+        def kernel_fn(proj, A, cs, w, bias, D, dt_bias, s0):
+            return kernels.ssd_conv_chunked(proj, A, cs, w, bias, D=D, dt_bias=dt_bias, initial_state=s0,
+                                            backend="interpret", blocks=blocks, **kw)
+
+        def reference_fn(proj, A, cs, w, bias, D, dt_bias, s0):
+            return ssd.conv_chunked(proj, A, cs, w, bias, D=D, dt_bias=dt_bias, initial_state=s0, **kw)
+
+        seed = next(_draws)
+        out, grads = jax.jit(lambda *a, seed=seed: _vjp(kernel_fn, a, seed))(*args)
+        ref_out, ref_grads = jax.jit(lambda *a, seed=seed: _vjp(reference_fn, a, seed))(*args)
+        for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref_out), strict=True):
+            assert rel_err(o, r) < KERNEL_TOLERANCE["float32"], t
+        for name, got, want in zip("proj A conv_state w bias D dt_bias s0".split(), grads, ref_grads, strict=True):
+            assert float(jnp.abs(want).max()) > 0, (t, name)
+            assert rel_err(got, want) < KERNEL_TOLERANCE["float32"], (t, name, rel_err(got, want))
 
 
 @pytest.mark.parametrize("backend", ["interpret", "xla"])

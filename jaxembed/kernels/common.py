@@ -1,5 +1,6 @@
 """What the three Pallas kernels share: block sizes, padding, the `pallas_call` wrapper and the
-`custom_vjp` whose backward is `jax.vjp` of the `ops/` reference.
+`custom_vjp` whose backward is `jax.vjp` of the `ops/` reference (SSD's short sequences have a
+backward kernel: `ssd_backward`).
 
 Each kernel is one program per (batch row, head, block of value columns) that walks the
 sequence chunk by chunk: the intra-chunk matrix work and the inter-chunk state update are fused

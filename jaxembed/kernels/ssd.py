@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxembed.kernels import common
+from jaxembed.kernels import common, ssd_backward
 from jaxembed.ops import common as ops_common
 from jaxembed.ops import ssd as ref
 from jaxembed.ops.common import StateSlot, through_slot
@@ -282,6 +282,9 @@ def _forward_xbc(xbc, dt, A, D, dt_bias, state, *, heads, head_dim, groups, stat
 
 @common.cached
 def _differentiable(chunk_size, dt_limit, blocks, interpret):
+    """The kernel, differentiated by the backward kernel (`ssd_backward`) for sequences of at most
+    its MAX_CHUNKS chunks and a state passed as an array (training), else as `jax.vjp` of the
+    reference."""
     def forward(x, dt, A, B, C, D, dt_bias, state):
         return _forward(x, dt, A, B, C, D, dt_bias, state, dt_limit=dt_limit, blocks=blocks, interpret=interpret)
 
@@ -289,7 +292,21 @@ def _differentiable(chunk_size, dt_limit, blocks, interpret):
         return through_slot(ref.chunked, x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
                             dt_limit=dt_limit, initial_state=state)
 
-    return common.with_reference_vjp(forward, reference)
+    @jax.custom_vjp
+    def f(*args):
+        return forward(*args)
+
+    def fwd(*args):
+        return forward(*args), args
+
+    def bwd(args, cotangent):
+        x, state = args[0], args[7]
+        if isinstance(state, StateSlot) or -(-x.shape[1] // blocks.chunk) > ssd_backward.MAX_CHUNKS:
+            return jax.vjp(reference, *args)[1](cotangent)
+        return ssd_backward.backward(*args, *cotangent, dt_limit=dt_limit, chunk=blocks.chunk, interpret=interpret)
+
+    f.defvjp(fwd, bwd)
+    return f
 
 
 @common.cached
@@ -300,9 +317,9 @@ def _differentiable_xbc(chunk_size, dims, dt_limit, blocks, interpret):
         return _forward_xbc(xbc, dt, A, D, dt_bias, state, heads=h, head_dim=p, groups=g, state_size=n,
                             dt_limit=dt_limit, blocks=blocks, interpret=interpret)
 
-    def reference(xbc, dt, A, D, dt_bias, state):
-        return through_slot(ref.chunked_xbc, xbc, dt, A, heads=h, head_dim=p, groups=g, state_size=n,
-                            chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_limit=dt_limit, initial_state=state)
+    def reference(xbc, dt, A, D, dt_bias, state):  # the split in XLA, the SSD by the split form's kernels
+        x, B, C = ref.split_xbc(xbc, heads=h, head_dim=p, groups=g, state_size=n)
+        return _differentiable(chunk_size, dt_limit, blocks, interpret)(x, dt, A, B, C, D, dt_bias, state)
 
     return common.with_reference_vjp(forward, reference)
 
@@ -396,9 +413,13 @@ def _differentiable_conv(chunk_size, offset, dims, dt_limit, blocks, interpret):
                              dims=dims, dt_limit=dt_limit, blocks=blocks, interpret=interpret)
 
     def reference(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state):
-        return through_slot(ref.conv_chunked, proj, A, conv_state, conv_weight, conv_bias, offset=offset, heads=h,
-                            head_dim=p, groups=g, state_size=n, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
-                            dt_limit=dt_limit, initial_state=state)
+        # `ops.ssd.conv_chunked`: the split and conv in XLA, the SSD by the split form's kernels
+        # (forward and, for short sequences, backward: `_differentiable`)
+        xbc, dt = ref.split_projection(proj, offset=offset, heads=h, head_dim=p, groups=g, state_size=n)
+        xbc, new_conv_state = ref.causal_conv(xbc, conv_state, conv_weight, conv_bias, out_dtype=proj.dtype)
+        x, B, C = ref.split_xbc(xbc, heads=h, head_dim=p, groups=g, state_size=n)
+        y, state = _differentiable(chunk_size, dt_limit, blocks, interpret)(x, dt, A, B, C, D, dt_bias, state)
+        return y, new_conv_state, state
 
     return common.with_reference_vjp(forward, reference)
 
