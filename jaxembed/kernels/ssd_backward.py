@@ -78,11 +78,13 @@ def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, s0_ref
         w, e = jnp.exp(a_to_end), jnp.exp(a_cum)
         dSB = common.dot(Bc, dS.astype(Bc.dtype), trans_b=True)  # [l, pb]: B_j dSᵀ
         dxt_ref[t, :] = common.dot(M.astype(cdt), dy.astype(cdt), trans_a=True) + w[:, None] * dSB
-        dM = jnp.where(causal, common.dot(dy.astype(cdt), xdt.astype(cdt), trans_b=True), 0.0)
+        # dy X̃ᵀ as (dy xᵀ) diag(dt): x enters the dot as stored, dt in float32 after it (the forward
+        # folds dt into M the same way), so X̃ is never rounded to the activation dtype
+        dM = jnp.where(causal, common.dot(dy.astype(cdt), x, trans_b=True) * dt[None, :], 0.0)
         dML = (dM * decay).astype(Bc.dtype)
         SC = common.dot(Cc, S.astype(Cc.dtype), trans_b=True)  # [l, pb]: S C_i
         dC_ref[t, :] = common.dot(dML, Bc) + e[:, None] * common.dot(dy.astype(cdt), S.astype(cdt))
-        dB_ref[t, :] = common.dot(dML, Cc, trans_a=True) + w[:, None] * common.dot(xdt.astype(cdt), dS.astype(cdt))
+        dB_ref[t, :] = common.dot(dML, Cc, trans_a=True) + (w * dt)[:, None] * common.dot(x, dS.astype(cdt))
         P = dM * M
         r = w * jnp.sum(xdt * dSB, axis=1)
         end = jnp.sum(jnp.where(last, e, 0.0))  # exp(cs_L), a scalar
