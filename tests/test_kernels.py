@@ -311,6 +311,40 @@ def test_ssd_conv_gradients_through_the_backward_kernel():
             assert rel_err(got, want) < KERNEL_TOLERANCE["float32"], (t, name, rel_err(got, want))
 
 
+def test_ssd_backward_kernel_under_strong_decay_against_a_float64_recurrence():
+    """The backward kernel with per-token log decays around -20 (the diagonal of each chunk's P
+    dominates): every cotangent against float64 autodiff of the token-by-token recurrence
+    written out here, S_t = exp(dt_t A) S_{t-1} + dt_t x_t ⊗ B_t, y_t = S_t C_t + D x_t."""
+    from jaxembed.kernels import ssd_backward
+
+    rng = np.random.default_rng(next(_draws))
+    b, t, h, p, g, n = 1, 128, 2, 16, 1, 16
+    args = (_normal(rng, (b, t, h, p)), _normal(rng, (b, t, h)) + 1.0, -10 * jnp.exp(_normal(rng, (h,))),
+            _normal(rng, (b, t, g, n)), _normal(rng, (b, t, g, n)), _normal(rng, (h,)), _normal(rng, (h,), 0.5),
+            _normal(rng, (b, h, p, n)))
+    cot = (_normal(rng, (b, t, h, p)), _normal(rng, (b, h, p, n)))
+
+    def recurrence(x, dt, A, B, C, D, dt_bias, s0):
+        dt = jax.nn.softplus(dt + dt_bias)
+        Bh, Ch = jnp.repeat(B, h // g, axis=2), jnp.repeat(C, h // g, axis=2)
+
+        def step(S, inputs):
+            x_t, dt_t, B_t, C_t = inputs
+            S = jnp.exp(dt_t * A)[..., None, None] * S + jnp.einsum("bhp,bhn->bhpn", x_t * dt_t[..., None], B_t)
+            return S, jnp.einsum("bhpn,bhn->bhp", S, C_t)
+
+        S, y = jax.lax.scan(step, s0, tuple(jnp.moveaxis(v, 1, 0) for v in (x, dt, Bh, Ch)))
+        return jnp.moveaxis(y, 0, 1) + x * D[:, None], S
+
+    with jax.enable_x64(True):
+        want = jax.vjp(recurrence, *(np.asarray(a, np.float64) for a in args))[1](
+            tuple(np.asarray(c, np.float64) for c in cot))
+        want = [np.asarray(w) for w in want]
+    got = ssd_backward.backward(*args, *cot, dt_limit=(0.0, math.inf), chunk=64, interpret=True)
+    for name, g_, w in zip("x dt A B C D dt_bias s0".split(), got, want, strict=True):
+        assert rel_err(g_, w) < 2e-5, (name, rel_err(g_, w))
+
+
 @pytest.mark.parametrize("backend", ["interpret", "xla"])
 def test_ssd_state_slot_is_read_and_written_in_its_stack(backend):
     """A `StateSlot` initial state (layer l's entry of every layer's states, as the vertical

@@ -326,7 +326,8 @@ def _differentiable_xbc(chunk_size, dims, dt_limit, blocks, interpret):
 
 def chunked(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_limit=(0.0, math.inf), initial_state=None,
             blocks: common.BlockSizes | None = None, interpret: bool = False):
-    """`ops.ssd.chunked` computed by the Pallas kernel; gradients are `jax.vjp` of the reference
+    """`ops.ssd.chunked` computed by the Pallas kernel; gradients by the backward kernel
+    (`ssd_backward`) for sequences of at most 8 of its chunks, else `jax.vjp` of the reference
     (run with chunk_size). Returns (y [b, t, h, p] in x's dtype, final state [b, h, p, n] float32)."""
     ref._heads_per_group(x, B, C)
     if x.ndim != 4 or dt.shape != x.shape[:3] or B.shape[:2] != x.shape[:2]:

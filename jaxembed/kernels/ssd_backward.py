@@ -18,6 +18,7 @@ state S [pb, n], with a = dt A, cs its cumulative sum within the chunk, L_ij = e
     dB   = (dM ∘ L)ᵀ C + w ∘ (X̃ dS)                                  [l, n]
     dcs  = rowsum P - colsum P - w ∘ rowsum(X̃ ∘ B dSᵀ) + exp(cs) ∘ rowsum(dy ∘ C Sᵀ),
            and the chunk's last token also Σ_j w_j X̃_j · (dS B_j) + exp(cs_L) (dS : S)
+           (P's diagonal cancels and is left out; the w terms go to da as a prefix sum)
     dS  <- (exp(cs) ∘ dy)ᵀ C + exp(cs_L) dS                          [pb, n]
 
 (docs/kernels.md derives them; tests/test_kernels.py checks them against `jax.vjp` of the
@@ -54,8 +55,8 @@ def _state_step(S, x, Bc, dt, a_cum, a_to_end):
 
 
 def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, s0_ref, ds_ref,
-            dxt_ref, dB_ref, dC_ref, dcs_ref, ds0_ref, *, L, chunks):
-    causal, _ = common.causal_masks(L)
+            dxt_ref, dB_ref, dC_ref, dcs_ref, r_ref, ds0_ref, *, L, chunks):
+    causal, strict = common.causal_masks(L)
     last = lax.broadcasted_iota(jnp.int32, (L,), 0) == L - 1
 
     def entering(c):
@@ -85,11 +86,16 @@ def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, s0_ref
         SC = common.dot(Cc, S.astype(Cc.dtype), trans_b=True)  # [l, pb]: S C_i
         dC_ref[t, :] = common.dot(dML, Bc) + e[:, None] * common.dot(dy.astype(cdt), S.astype(cdt))
         dB_ref[t, :] = common.dot(dML, Cc, trans_a=True) + (w * dt)[:, None] * common.dot(x, dS.astype(cdt))
-        P = dM * M
-        r = w * jnp.sum(xdt * dSB, axis=1)
+        # L_ii = 1 whatever cs is: the diagonal's row and column terms cancel exactly, so they are
+        # left out rather than added and subtracted (under strong decay they dominate P, and their
+        # float32 remainder piled up in da)
+        P = jnp.where(strict, dM * M, 0.0)
         end = jnp.sum(jnp.where(last, e, 0.0))  # exp(cs_L), a scalar
-        dcs = jnp.sum(P, axis=1) - jnp.sum(P, axis=0) - r + e * jnp.sum(dy.astype(F32) * SC, axis=1)
-        dcs_ref[t] = jnp.where(last, dcs + jnp.sum(r) + end * jnp.sum(dS * S), dcs)
+        dcs = jnp.sum(P, axis=1) - jnp.sum(P, axis=0) + e * jnp.sum(dy.astype(F32) * SC, axis=1)
+        dcs_ref[t] = jnp.where(last, dcs + end * jnp.sum(dS * S), dcs)
+        # w's terms, -r_i at every row and Σ r on the last, add up in da to an exclusive prefix sum
+        # of r: written apart and summed that way by XLA, without the cancellation
+        r_ref[t] = w * jnp.sum(xdt * dSB, axis=1)
         return common.dot((e[:, None] * dy.astype(F32)).astype(Cc.dtype), Cc, trans_a=True) + end * dS
 
     ds0_ref[...] = lax.fori_loop(0, chunks, chunk, ds_ref[...])
@@ -129,16 +135,16 @@ def backward(x, dt, A, B, C, D, dt_bias, state, dy, d_state, *, dt_limit, chunk,
     group = pl.BlockSpec((None, T, N), lambda i, j, k: (i, 0, j // r))
     state_tile = pl.BlockSpec((None, None, pb, N), lambda i, j, k: (i, j, k, 0))
     partial = pl.BlockSpec((None, None, None, T, N), lambda i, j, k: (i, j, k, 0, 0))
+    per_position = pl.BlockSpec((None, None, None, T), lambda i, j, k: (i, j, k, 0))
     blocks = common.BlockSizes(chunk=L, value_block=pb, num_warps=4, num_stages=1)
-    dxt, dB, dC, dcs, ds0 = common.call(
+    dxt, dB, dC, dcs, r_terms, ds0 = common.call(
         lambda *refs: _kernel(*refs, L=L, chunks=chunks),
         grid=(b, h, vb),
         in_specs=[column, column, per_head, per_head, per_head, group, group, state_tile, state_tile],
-        out_specs=[column, partial, partial, pl.BlockSpec((None, None, None, T), lambda i, j, k: (i, j, k, 0)),
-                   state_tile],
+        out_specs=[column, partial, partial, per_position, per_position, state_tile],
         out_shape=[jax.ShapeDtypeStruct((b, T, h * P), F32), jax.ShapeDtypeStruct((b, h, vb, T, N), F32),
                    jax.ShapeDtypeStruct((b, h, vb, T, N), F32), jax.ShapeDtypeStruct((b, h, vb, T), F32),
-                   jax.ShapeDtypeStruct((b, h, P, N), F32)],
+                   jax.ShapeDtypeStruct((b, h, vb, T), F32), jax.ShapeDtypeStruct((b, h, P, N), F32)],
         blocks=blocks, interpret=interpret, name="ssd_chunked_backward",
     )(x3, dy3, dt_eff, a_cum, a_to_end, B3, C3, s0, ds)
 
@@ -154,8 +160,13 @@ def backward(x, dt, A, B, C, D, dt_bias, state, dy, d_state, *, dt_limit, chunk,
         v = v.sum(axis=2).reshape(b, g, r, T, N).sum(axis=2)
         return jnp.moveaxis(v, 1, 2)[:, :t, :, :n]
 
-    dcs = jnp.moveaxis(dcs.sum(axis=2), 1, 2).reshape(b, chunks, L, h)
-    da = lax.cumsum(dcs, axis=2, reverse=True).reshape(b, T, h)[:, :t]  # cs = cumsum(a) within the chunk
+    def per_chunk(v):  # [b, h, vb, T] -> [b, chunks, L, h]
+        return jnp.moveaxis(v.sum(axis=2), 1, 2).reshape(b, chunks, L, h)
+
+    dcs, r_terms = per_chunk(dcs), per_chunk(r_terms)
+    # cs = cumsum(a) within the chunk: da_k = Σ_{i >= k} dcs_i, and w's terms Σ_{i < k} r_i
+    da = lax.cumsum(dcs, axis=2, reverse=True) + jnp.cumsum(r_terms, axis=2) - r_terms
+    da = da.reshape(b, T, h)[:, :t]
     d_dt_eff = jnp.sum(xf * dxt, axis=-1) + da * A.astype(F32)
     dA = jnp.sum(da * dt_eff, axis=(0, 1))
     d_dt, d_bias = dt_vjp(d_dt_eff)
