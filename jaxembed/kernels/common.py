@@ -183,11 +183,13 @@ def state_tile(layer_ref, block: int, *, axis: int):
     return tuple(index)
 
 
-def with_reference_vjp(forward, reference):
+def with_reference_vjp(forward, reference, backward=None):
     """forward(*arrays) computed by the kernel, differentiated as `jax.vjp(reference)`.
 
     The backward recomputes the reference's forward from the saved inputs (no activations are
     kept), then runs XLA's reverse pass of it: exact gradients of the same function.
+    `backward(args, cotangent)`, when given, computes the cotangents itself (a backward kernel),
+    or returns None for inputs it does not take, which the reference then differentiates.
     """
 
     @jax.custom_vjp
@@ -198,8 +200,11 @@ def with_reference_vjp(forward, reference):
         return forward(*args), args
 
     def bwd(args, cotangent):
-        _, vjp = jax.vjp(reference, *args)
-        return vjp(cotangent)
+        grads = None if backward is None else backward(args, cotangent)
+        if grads is None:
+            _, vjp = jax.vjp(reference, *args)
+            grads = vjp(cotangent)
+        return grads
 
     f.defvjp(fwd, bwd)
     return f

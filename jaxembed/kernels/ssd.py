@@ -292,21 +292,13 @@ def _differentiable(chunk_size, dt_limit, blocks, interpret):
         return through_slot(ref.chunked, x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
                             dt_limit=dt_limit, initial_state=state)
 
-    @jax.custom_vjp
-    def f(*args):
-        return forward(*args)
-
-    def fwd(*args):
-        return forward(*args), args
-
-    def bwd(args, cotangent):
+    def backward(args, cotangent):
         x, state = args[0], args[7]
         if isinstance(state, StateSlot) or -(-x.shape[1] // blocks.chunk) > ssd_backward.MAX_CHUNKS:
-            return jax.vjp(reference, *args)[1](cotangent)
+            return None
         return ssd_backward.backward(*args, *cotangent, dt_limit=dt_limit, chunk=blocks.chunk, interpret=interpret)
 
-    f.defvjp(fwd, bwd)
-    return f
+    return common.with_reference_vjp(forward, reference, backward)
 
 
 @common.cached
