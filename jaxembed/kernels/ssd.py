@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxembed.kernels import common, ssd_backward
+from jaxembed.kernels import common
 from jaxembed.ops import common as ops_common
 from jaxembed.ops import ssd as ref
 from jaxembed.ops.common import StateSlot, through_slot
@@ -291,6 +291,8 @@ def _differentiable(chunk_size, dt_limit, blocks, interpret):
     def reference(x, dt, A, B, C, D, dt_bias, state):
         return through_slot(ref.chunked, x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
                             dt_limit=dt_limit, initial_state=state)
+
+    from jaxembed.kernels import ssd_backward  # it steps states with this module's `_state_step`
 
     def backward(args, cotangent):
         x, state = args[0], args[7]

@@ -37,21 +37,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxembed.kernels import common
+from jaxembed.kernels.ssd import _rows, _state_step  # the forward kernel's chunk rows and state step
 from jaxembed.ops import ssd as ref
 
 F32 = jnp.float32
 MAX_CHUNKS = 8  # longer sequences differentiate through the reference (see the module docstring)
 VALUE_BLOCK = 32  # the backward carries S and dS [pb, n]: half the forward's largest block
-
-
-def _rows(c, L):
-    return pl.ds(c * L if isinstance(c, int) else pl.multiple_of(c * L, L), L)
-
-
-def _state_step(S, x, Bc, dt, a_cum, a_to_end):
-    """The state entering a chunk -> the state leaving it, as the forward kernel steps it."""
-    w = (x.astype(F32) * (dt * jnp.exp(a_to_end))[:, None]).astype(x.dtype)
-    return jnp.exp(jnp.min(a_cum)) * S + common.dot(w, Bc, trans_a=True)
 
 
 def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, s0_ref, ds_ref,
