@@ -264,6 +264,61 @@ def check(rows):
                 print(f"check {family:5s} {jnp.dtype(dtype).name:8s} b={b} t={t}: y {y_err:.2e} state {s_err:.2e} "
                       f"grad {g_err:.2e} finite {finite}", flush=True)
     check_packed_ssd(rows)
+    check_ssd_backward_heads(rows)
+
+
+BACKWARD_TIMING_SHAPE = (192, 256, 16, 64, 1, 128)  # (b, t, h, p, g, n): a training step's 256-token group
+
+
+def check_ssd_backward_heads(rows):
+    """The SSD backward kernel with programs walking 1, 2 and 4 heads of a group (summing dB and dC on
+    chip) against `jax.vjp` of the XLA reference, then timed at the training step's shape (192 texts
+    x 256 tokens, 16 heads of 64, n 128) for each count the rule could pick, beside the rule's pick."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxembed.kernels import ssd_backward
+    from jaxembed.ops import ssd as ref
+
+    def case(b, t, h, p, g, n, dtype, seed):
+        ks = jax.random.split(jax.random.PRNGKey(seed), 10)
+        shapes = [(b, t, h, p), (b, t, h), (h,), (b, t, g, n), (b, t, g, n), (h,), (h,), (b, h, p, n), (b, t, h, p),
+                  (b, h, p, n)]
+        a = [jax.random.normal(k, s) for k, s in zip(ks, shapes, strict=True)]
+        a[2] = -jnp.exp(a[2])
+        for i in (0, 3, 4, 8):
+            a[i] = a[i].astype(dtype)
+        return a
+
+    def reference(x, dt, A, B, C, D, dt_bias, s0):
+        return ref.chunked(x, dt, A, B, C, chunk_size=64, D=D, dt_bias=dt_bias, initial_state=s0)
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        a = case(2, 300, 8, 64, 2, 64, dtype, 11)
+        upcast = [v.astype(jnp.float32) for v in a]
+        with jax.default_matmul_precision("highest"):
+            want = jax.jit(lambda *v: jax.vjp(reference, *v[:8])[1]((v[8], v[9])))(*upcast)
+            for heads in (1, 2, 4):
+                got = jax.jit(lambda *v, heads=heads: ssd_backward.backward(
+                    *v, dt_limit=(0.0, math.inf), chunk=64, interpret=False, heads_per_program=heads))(*a)
+                err = max(rel_err(gv.astype(jnp.float32), w) for gv, w in zip(got, want, strict=True))
+                rows.append(dict(family=f"ssd_backward ({heads} heads/program)", dtype=jnp.dtype(dtype).name, b=2,
+                                 t=300, grad_rel_err=err, grad_finite=bool(all(
+                                     jnp.all(jnp.isfinite(gv.astype(jnp.float32))) for gv in got))))
+                print(f"check ssd_backward {jnp.dtype(dtype).name:8s} heads/program {heads}: grad {err:.2e}",
+                      flush=True)
+    b, t, h, p, g, n = BACKWARD_TIMING_SHAPE
+    a = case(b, t, h, p, g, n, jnp.bfloat16, 12)
+    pick = ssd_backward.choose_heads_per_program(batch=b, heads=h, heads_per_group=h // g, value_blocks=2)
+    for heads in (1, 2, 4, 8, 16):
+        fn = jax.jit(lambda *v, heads=heads: ssd_backward.backward(
+            *v, dt_limit=(0.0, math.inf), chunk=64, interpret=False, heads_per_program=heads))
+        ms = time_jax(fn, a) * 1e3
+        rows.append(dict(family="ssd_backward", b=b, t=t, heads=heads, ms=ms, pick=heads == pick))
+        print(f"time ssd_backward {b}x{t} h{h} p{p} n{n} heads/program {heads:2d}: {ms:.3f} ms"
+              f"{'  (the rule picks this)' if heads == pick else ''}", flush=True)
 
 
 def check_packed_ssd(rows):
@@ -426,12 +481,19 @@ def fmt(v, spec=".2f"):
 def markdown(device, rate, bw, check_rows, op_rows, enc_rows):
     out = [f"Device: {device}; measured bf16 matmul {rate / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s "
            f"(read + write); {time.strftime('%Y-%m-%d')}.", ""]
-    if check_rows:
+    timed = [r for r in check_rows if "ms" in r]
+    checked = [r for r in check_rows if "ms" not in r]
+    if checked:
         out += ["| kernel | dtype | b | t | y rel err | state rel err | grad rel err | grad finite |",
                 "|---|---|---|---|---|---|---|---|"]
-        out += [f"| {r['family']} | {r['dtype']} | {r['b']} | {r['t']} | {r['y_rel_err']:.1e} | "
-                f"{r['state_rel_err']:.1e} | {fmt(r.get('grad_rel_err'), '.1e')} | {r['grad_finite']} |"
-                for r in check_rows]
+        out += [f"| {r['family']} | {r['dtype']} | {r['b']} | {r['t']} | {fmt(r.get('y_rel_err'), '.1e')} | "
+                f"{fmt(r.get('state_rel_err'), '.1e')} | {fmt(r.get('grad_rel_err'), '.1e')} | "
+                f"{r.get('grad_finite', '-')} |" for r in checked]
+        out.append("")
+    if timed:
+        out += ["| SSD backward kernel, b x t | heads per program | ms | the rule's pick |", "|---|---|---|---|"]
+        out += [f"| {r['b']} x {r['t']} | {r['heads']} | {r['ms']:.3f} | {'yes' if r['pick'] else ''} |"
+                for r in timed]
         out.append("")
     if op_rows:
         out += ["| operator (model) | b | T | Pallas ms | XLA ms | peer | peer ms | peer / Pallas | roofline ms | "

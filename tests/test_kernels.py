@@ -345,6 +345,41 @@ def test_ssd_backward_kernel_under_strong_decay_against_a_float64_recurrence():
         assert rel_err(g_, w) < 2e-5, (name, rel_err(g_, w))
 
 
+def test_ssd_backward_kernel_sums_several_heads_per_program():
+    """Programs that walk several heads of a group (2 and 4 of 4) and two value blocks each, adding
+    their dB and dC up on chip and writing dx and dt's share themselves: every cotangent against
+    `jax.vjp` of the reference at full float32 precision, with a per-channel D, a dt_limit that
+    some tokens reach and a partial last chunk. The rule that picks the count keeps a grid of at
+    least MIN_PROGRAMS programs and divides the heads of a group."""
+    from jaxembed.kernels import ssd_backward
+
+    rng = np.random.default_rng(next(_draws))
+    b, t, h, p, g, n = 1, 45, 8, 64, 2, 16  # 4 heads a group; p = 64: two value blocks of 32
+    args = (_normal(rng, (b, t, h, p)), _normal(rng, (b, t, h)), -jnp.exp(_normal(rng, (h,))),
+            _normal(rng, (b, t, g, n)), _normal(rng, (b, t, g, n)), _normal(rng, (h, p)), _normal(rng, (h,), 0.5),
+            _normal(rng, (b, h, p, n)))
+    cot = (_normal(rng, (b, t, h, p)), _normal(rng, (b, h, p, n)))
+    dt_limit = (0.05, 2.0)
+
+    def reference(x, dt, A, B, C, D, dt_bias, s0):
+        return ssd.chunked(x, dt, A, B, C, chunk_size=16, D=D, dt_bias=dt_bias, dt_limit=dt_limit, initial_state=s0)
+
+    with jax.default_matmul_precision("highest"):
+        want = jax.vjp(reference, *args)[1](cot)
+        for heads in (2, 4):
+            got = ssd_backward.backward(*args, *cot, dt_limit=dt_limit, chunk=16, interpret=True,
+                                        heads_per_program=heads)
+            for name, g_, w in zip("x dt A B C D dt_bias s0".split(), got, want, strict=True):
+                assert rel_err(g_, w) < KERNEL_TOLERANCE["float32"], (heads, name, rel_err(g_, w))
+    choose = ssd_backward.choose_heads_per_program
+    assert choose(batch=192, heads=16, heads_per_group=16, value_blocks=2) == 4  # 1,536 programs; 8 would be 768
+    assert choose(batch=192, heads=24, heads_per_group=24, value_blocks=2) == 8
+    assert choose(batch=2, heads=16, heads_per_group=16, value_blocks=2) == 1
+    assert choose(batch=4096, heads=6, heads_per_group=3, value_blocks=2) == 1
+    with pytest.raises(ValueError, match="must divide the heads of a group"):
+        ssd_backward.backward(*args, *cot, dt_limit=dt_limit, chunk=16, interpret=True, heads_per_program=8)
+
+
 @pytest.mark.parametrize("backend", ["interpret", "xla"])
 def test_ssd_state_slot_is_read_and_written_in_its_stack(backend):
     """A `StateSlot` initial state (layer l's entry of every layer's states, as the vertical
