@@ -13,6 +13,8 @@ params, so the scheduler's `lax.scan` slices them per layer like any other leaf.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -45,7 +47,39 @@ def is_derived(leaf) -> bool:
 
 
 def dot(x, w, compute_dtype, out_dtype=F32):
-    return jnp.einsum("btd,de->bte", x.astype(compute_dtype), w.astype(compute_dtype), preferred_element_type=out_dtype)
+    """x [b, t, d_in] @ w [d_in, d_out] with both operands in compute_dtype, accumulated in float32,
+    written in out_dtype. An out_dtype wider than the operands (bfloat16 in, float32 out: a GEMM
+    whose epilogue adds into a float32 residual) keeps the backward in the operands' dtype: the
+    cotangent is rounded to compute_dtype first, as a bfloat16 Linear's grad_output is. Autodiff of
+    the einsum would instead multiply the float32 cotangent by the weight converted to float32:
+    float32 GEMMs reading twice the bytes."""
+    x, w = x.astype(compute_dtype), w.astype(compute_dtype)
+    if jnp.dtype(out_dtype).itemsize > jnp.dtype(compute_dtype).itemsize:
+        return _widening_dot(x, w, jnp.dtype(out_dtype))
+    return jnp.einsum("btd,de->bte", x, w, preferred_element_type=out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _widening_dot(x, w, out_dtype):
+    return jnp.einsum("btd,de->bte", x, w, preferred_element_type=out_dtype)
+
+
+def _widening_dot_fwd(x, w, out_dtype):
+    return _widening_dot(x, w, out_dtype), (x, w)
+
+
+def _widening_dot_bwd(out_dtype, residuals, g):
+    x, w = residuals
+    g = g.astype(x.dtype)
+    # written in the operands' dtype by the GEMMs themselves (accumulated in float32 as any bfloat16
+    # GEMM is): a float32 product cast down would be kept in float32 by XLA, which may drop a
+    # float32 -> bfloat16 -> float32 round trip (excess precision)
+    dx = jnp.einsum("bte,de->btd", g, w, preferred_element_type=x.dtype)
+    dw = jnp.einsum("btd,bte->de", x, g, preferred_element_type=w.dtype)
+    return dx, dw
+
+
+_widening_dot.defvjp(_widening_dot_fwd, _widening_dot_bwd)
 
 
 def linear(x, w, compute_dtype=None, bias=None, out_dtype=F32):

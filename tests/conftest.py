@@ -21,6 +21,7 @@ warnings.filterwarnings("ignore", message=".*falling back to its reference PyTor
 
 from jaxembed.testing import (  # noqa: E402,F401
     hf_last_hidden,
+    jaxpr_equations,
     make_hf_mamba2,
     make_tokenizer,
     rel_err,

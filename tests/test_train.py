@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import jaxpr_equations, rel_err
 
 from jaxembed import models, schedule
 from jaxembed.config import Mamba2Config
@@ -86,8 +86,40 @@ def test_lora_bfloat16_output_and_cotangent():
     assert rel_err(y, expected) < 8e-3
     assert rel_err(y, xf @ wf + 4.0 * (xf @ af) @ np.asarray(b, np.float64)) < 2e-2
     grads = jax.make_jaxpr(lambda *args: jax.vjp(product, *args)[1](jnp.ones((2, 5, 40), jnp.bfloat16)))(x, a, b)
-    shapes = [(v.aval.shape, v.aval.dtype) for eqn in grads.eqns for v in eqn.outvars]
+    shapes = [(v.aval.shape, v.aval.dtype) for eqn in jaxpr_equations(grads.jaxpr) for v in eqn.outvars]
     assert ((2, 5, 40), jnp.dtype(jnp.float32)) not in shapes, shapes
+
+
+def test_float32_output_gemm_runs_its_backward_in_bfloat16():
+    """A bfloat16 GEMM written in float32 (out_proj into a float32 residual): the forward is exact in
+    float32, and the backward multiplies the cotangent rounded to bfloat16, as a bfloat16 Linear's
+    grad_output is, writing dx and dW in bfloat16; its program has no float32 dot (autodiff of the
+    einsum would multiply the float32 cotangent by the weight converted to float32). Against float64
+    products of the bfloat16 operands."""
+    from jaxembed.weights import dot
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(2, 7, 48)), jnp.float32)
+    w = jnp.asarray(0.1 * rng.normal(size=(48, 24)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(2, 7, 24)), jnp.float32)
+
+    def product(x, w):
+        return dot(x, w, jnp.bfloat16, jnp.float32)
+
+    def as64(v):
+        return np.asarray(jnp.asarray(v, jnp.bfloat16), np.float64)
+
+    y, vjp = jax.vjp(product, x, w)
+    assert y.dtype == jnp.float32
+    assert rel_err(y, as64(x) @ as64(w)) < 1e-6
+    dx, dw = vjp(g)
+    assert dx.dtype == dw.dtype == jnp.float32  # the primal inputs' dtypes, through the casts
+    assert rel_err(dx, as64(g) @ as64(w).T) < 8e-3
+    assert rel_err(dw, np.einsum("btd,bte->de", as64(x), as64(g))) < 8e-3
+    grad_program = jax.make_jaxpr(lambda x, w, g: jax.vjp(product, x, w)[1](g))(x, w, g)
+    operand_dtypes = [tuple(str(v.aval.dtype) for v in eqn.invars) for eqn in jaxpr_equations(grad_program.jaxpr)
+                      if eqn.primitive.name == "dot_general"]
+    assert operand_dtypes and all(d == ("bfloat16", "bfloat16") for d in operand_dtypes), operand_dtypes
 
 
 def test_info_nce_matches_the_paper_equation():

@@ -34,6 +34,16 @@ def rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
+def jaxpr_equations(jaxpr):
+    """Every equation of a jaxpr, with those of the jaxprs inside it (custom_vjp calls, scans, pjit)."""
+    from jax.extend.core import jaxprs_in_params
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jaxprs_in_params(eqn.params):
+            yield from jaxpr_equations(sub)
+
+
 def make_hf_mamba2(seed: int = 0, *, vocab_size=96, hidden_size=64, head_dim=16, n_groups=1, state_size=16,
                    chunk_size=8, num_hidden_layers=2, tie_word_embeddings=False, time_step_limit=(0.0, float("inf")),
                    conv_kernel=4, use_bias=False, use_conv_bias=True, causal_lm=False):
