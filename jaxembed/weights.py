@@ -82,6 +82,45 @@ def _widening_dot_bwd(out_dtype, residuals, g):
 _widening_dot.defvjp(_widening_dot_fwd, _widening_dot_bwd)
 
 
+def dot_sum(x, w, y, v, compute_dtype, out_dtype=F32):
+    """x @ w + y @ v (x [b, t, d], y [b, t, r]) as one GEMM, [x | y] @ [w ; v], operands in
+    compute_dtype, accumulated in float32 and written once in out_dtype. For a LoRA product
+    x W + (s x A) B this replaces a second GEMM that writes a whole [b, t, d_out] output, read back
+    to be added, by a copy of x widened by r columns; its backward takes the cotangent of [x | y]
+    in one GEMM too, and rounds the cotangent to compute_dtype as `dot` does."""
+    x, w, y, v = (a.astype(compute_dtype) for a in (x, w, y, v))
+    return _dot_sum(x, w, y, v, jnp.dtype(out_dtype))
+
+
+def _stacked(x, w, y, v):
+    return jnp.concatenate([x, y], axis=-1), jnp.concatenate([w, v], axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _dot_sum(x, w, y, v, out_dtype):
+    xy, wv = _stacked(x, w, y, v)
+    return jnp.einsum("btd,de->bte", xy, wv, preferred_element_type=out_dtype)
+
+
+def _dot_sum_fwd(x, w, y, v, out_dtype):
+    return _dot_sum(x, w, y, v, out_dtype), (x, w, y, v)
+
+
+def _dot_sum_bwd(out_dtype, residuals, g):
+    x, w, y, v = residuals
+    g = g.astype(x.dtype)
+    _, wv = _stacked(x, w, y, v)
+    dxy = jnp.einsum("bte,de->btd", g, wv, preferred_element_type=x.dtype)
+    d = x.shape[-1]
+    # a frozen w's cotangent (LoRA's base) is dropped by the caller, and its GEMM with it
+    dw = jnp.einsum("btd,bte->de", x, g, preferred_element_type=w.dtype)
+    dv = jnp.einsum("btd,bte->de", y, g, preferred_element_type=v.dtype)
+    return dxy[..., :d], dw, dxy[..., d:], dv
+
+
+_dot_sum.defvjp(_dot_sum_fwd, _dot_sum_bwd)
+
+
 def linear(x, w, compute_dtype=None, bias=None, out_dtype=F32):
     """x [b, t, d_in] @ w [d_in, d_out] (+ bias) -> [b, t, d_out] in out_dtype (float32 by default).
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -66,9 +67,9 @@ def test_lora_products_match_the_formula():
 
 
 def test_lora_bfloat16_output_and_cotangent():
-    """A bfloat16 layer output: x W and s (x A) B each written in bfloat16 and added (within bf16
-    rounding of the float64 formula), and the backward's cotangent stays bfloat16: no float32
-    array of the output's shape anywhere in the gradient's program."""
+    """A bfloat16 layer output: x W + s (x A) B written in bfloat16 (within bf16 rounding of the
+    float64 formula), and the backward's cotangent stays bfloat16: no float32 array of the output's
+    shape anywhere in the gradient's program."""
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.normal(size=(2, 5, 48)), jnp.bfloat16)
     w = jnp.asarray(0.1 * rng.normal(size=(48, 40)), jnp.bfloat16)
@@ -120,6 +121,69 @@ def test_float32_output_gemm_runs_its_backward_in_bfloat16():
     operand_dtypes = [tuple(str(v.aval.dtype) for v in eqn.invars) for eqn in jaxpr_equations(grad_program.jaxpr)
                       if eqn.primitive.name == "dot_general"]
     assert operand_dtypes and all(d == ("bfloat16", "bfloat16") for d in operand_dtypes), operand_dtypes
+
+
+def test_dot_sum_is_one_gemm_and_its_backward_against_float64():
+    """`weights.dot_sum` (LoRA's x W + (s x A) B as [x | y] @ [w ; v]): the product and all four
+    cotangents against float64 products of the bfloat16 operands (the cotangent rounded to bfloat16
+    first, as `dot` does); one GEMM forward, and with w frozen (LoRA's base) the backward compiles
+    to two GEMMs: dw's is dropped."""
+    from jaxembed.weights import dot_sum
+
+    rng = np.random.default_rng(4)
+    x, y = jnp.asarray(rng.normal(size=(2, 7, 48)), jnp.float32), jnp.asarray(rng.normal(size=(2, 7, 4)), jnp.float32)
+    w = jnp.asarray(0.1 * rng.normal(size=(48, 24)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(4, 24)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(2, 7, 24)), jnp.float32)
+
+    def as64(a):
+        return np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
+
+    def product(x, w, y, v):
+        return dot_sum(x, w, y, v, jnp.bfloat16, jnp.float32)
+
+    out, vjp = jax.vjp(product, x, w, y, v)
+    assert out.dtype == jnp.float32
+    assert rel_err(out, as64(x) @ as64(w) + as64(y) @ as64(v)) < 1e-6
+    dx, dw, dy, dv = vjp(g)
+    assert rel_err(dx, as64(g) @ as64(w).T) < 8e-3
+    assert rel_err(dy, as64(g) @ as64(v).T) < 8e-3
+    assert rel_err(dw, np.einsum("btd,bte->de", as64(x), as64(g))) < 8e-3
+    assert rel_err(dv, np.einsum("btd,bte->de", as64(y), as64(g))) < 8e-3
+    forward = jax.make_jaxpr(product)(x, w, y, v)
+    assert sum(eqn.primitive.name == "dot_general" for eqn in jaxpr_equations(forward.jaxpr)) == 1
+    frozen_w = jax.jit(lambda x, y, v, g: jax.vjp(lambda x, y, v: product(x, w, y, v), x, y, v)[1](g))
+    assert len(re.findall(r"= \S+ dot\(", frozen_w.lower(x, y, v, g).compile().as_text())) == 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mamba2_gated_norm_backward_against_float64(dtype):
+    """Mamba2's grouped gated RMSNorm (z read in place from in_proj's output) with its written-out
+    backward: the output and the cotangents of y, of the whole projection (z's columns, zeros
+    elsewhere) and of the weight against float64 autodiff of the formula, 2 groups, random weight."""
+    from jaxembed.models.mamba2 import gated_rms_norm
+
+    rng = np.random.default_rng(5)
+    dt = jnp.dtype(dtype)
+    y, source = jnp.asarray(rng.normal(size=(2, 5, 32)), dt), jnp.asarray(rng.normal(size=(2, 5, 50)), dt)
+    weight, dn = jnp.asarray(rng.normal(size=(32,)), jnp.float32), jnp.asarray(rng.normal(size=(2, 5, 32)), dt)
+
+    def formula(y, source, weight):
+        z = source[..., 7:39]
+        g = (y * z / (1 + jnp.exp(-z))).reshape(2, 5, 2, 16)
+        return (g / jnp.sqrt(jnp.mean(g * g, -1, keepdims=True) + 1e-5)).reshape(2, 5, 32) * weight
+
+    out, vjp = jax.vjp(lambda *a: gated_rms_norm(*a, z_offset=7, eps=1e-5, group_size=16, out_dtype=dt),
+                       y, source, weight)
+    with jax.enable_x64(True):
+        want, want_vjp = jax.vjp(formula, *(np.asarray(a, np.float64) for a in (y, source, weight)))
+        wants = [np.asarray(w) for w in want_vjp(np.asarray(dn, np.float64))]
+    tol = {"float32": 1e-6, "bfloat16": 8e-3}[dtype]
+    assert out.dtype == dt and rel_err(out, np.asarray(want)) < tol
+    for name, got, w in zip(("y", "source", "weight"), vjp(dn), wants, strict=True):
+        assert got.dtype == {"weight": jnp.float32}.get(name, dt)
+        assert rel_err(got, w) < tol, (name, rel_err(got, w))
+    assert not np.asarray(vjp(dn)[1])[..., 39:].any() and not np.asarray(vjp(dn)[1])[..., :7].any()
 
 
 def test_info_nce_matches_the_paper_equation():

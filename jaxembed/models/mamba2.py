@@ -21,6 +21,7 @@ The per-layer state is the conv state (the last k-1 conv inputs) plus the SSM st
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, ClassVar, NamedTuple
 
@@ -222,6 +223,59 @@ def rms_norm(x, weight, eps, group_size=None):
     return xf.reshape(x.shape) * weight.astype(F32)
 
 
+def gated_rms_norm(y, source, weight, *, z_offset, eps, group_size, out_dtype):
+    """rms_norm(y ∘ silu(z)) ∘ weight over groups of `group_size` channels, in float32, written in
+    out_dtype (mamba_ssm's RMSNormGated with norm_before_gate=False); z is y's width of columns of
+    `source` (in_proj's output) from z_offset, read there in place.
+
+    Its backward is written out (`_gated_norm_bwd`): autodiff's gave XLA one float32 y ∘ silu(z)
+    shared by the norm's reduction and its elementwise pass, which it wrote to memory and read
+    back twice (4 bytes a channel, three times, against 2 for reading y and z again)."""
+    return _gated_norm(y, source, weight, int(z_offset), float(eps), int(group_size), jnp.dtype(out_dtype))
+
+
+def _gated_norm_terms(y, source, dn, weight, z_offset, group_size):
+    """(z, silu(z), sigmoid(z), the gated input grouped [..., groups, group_size], dn ∘ weight
+    grouped), all float32."""
+    zf = source[..., z_offset:z_offset + y.shape[-1]].astype(F32)
+    gate = ssd.silu(zf)
+    grouped = (y.astype(F32) * gate).reshape(*y.shape[:-1], -1, group_size)
+    dn_w = None if dn is None else (dn.astype(F32) * weight.astype(F32)).reshape(grouped.shape)
+    return zf, gate, jax.nn.sigmoid(zf), grouped, dn_w
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _gated_norm(y, source, weight, z_offset, eps, group_size, out_dtype):
+    return _gated_norm_fwd(y, source, weight, z_offset, eps, group_size, out_dtype)[0]
+
+
+def _gated_norm_fwd(y, source, weight, z_offset, eps, group_size, out_dtype):
+    *_, g, _ = _gated_norm_terms(y, source, None, weight, z_offset, group_size)
+    r = jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
+    out = ((g * r).reshape(y.shape) * weight.astype(F32)).astype(out_dtype)
+    return out, (y, source, weight, r)
+
+
+def _gated_norm_bwd(z_offset, eps, group_size, out_dtype, residuals, dn):
+    # n = g r with r = (mean g² + eps)^-1/2 per group: dg = r (dn w - r² g mean(dn w g))
+    y, source, weight, r = residuals
+    *_, g, dn_w = _gated_norm_terms(y, source, dn, weight, z_offset, group_size)
+    s = jnp.mean(dn_w * g, axis=-1, keepdims=True)
+    # the elementwise pass recomputes its terms from y, z and dn (bfloat16) rather than sharing the
+    # reduction's float32 ones, which XLA would write out for it
+    y, source, dn = jax.lax.optimization_barrier((y, source, dn))
+    zf, gate, sig, g, dn_w = _gated_norm_terms(y, source, dn, weight, z_offset, group_size)
+    dg = (r * (dn_w - g * (r * r) * s)).reshape(y.shape)
+    dy = (dg * gate).astype(y.dtype)
+    dz = (dg * y.astype(F32) * sig * (1.0 + zf * (1.0 - sig))).astype(source.dtype)
+    pad = [(0, 0)] * (y.ndim - 1) + [(z_offset, source.shape[-1] - z_offset - y.shape[-1])]
+    dweight = jnp.sum(dn.astype(F32) * (g * r).reshape(y.shape), axis=tuple(range(y.ndim - 1)))
+    return dy, jnp.pad(dz, pad), dweight.astype(weight.dtype)
+
+
+_gated_norm.defvjp(_gated_norm_fwd, _gated_norm_bwd)
+
+
 def _linear(x, w, b=None, out_dtype=F32):
     """x @ w (+ b) with the operands in x's dtype, accumulated in float32, out in out_dtype; w may be
     a LoRA/NF4 weight."""
@@ -248,11 +302,9 @@ def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, runtime: Runtime, out_
         chunk_size=runtime.chunk_size, backend=runtime.kernels, D=p["D"], dt_bias=p["dt_bias"], dt_limit=cfg.dt_limit,
         initial_state=state.ssm,
     )
-    z = zxbcdt[..., :e]
-    # grouped gated RMSNorm, gate before norm (mamba_ssm's norm_before_gate=False)
-    y = y.reshape(b, t, e).astype(F32) * ssd.silu(z.astype(F32))
-    y = rms_norm(y, p["mixer_norm"], cfg.norm_eps, group_size=e // cfg.n_groups)
-    out = _linear(y.astype(u.dtype), p["out_proj"], p.get("out_proj_bias"), out_dtype=out_dtype or u.dtype)
+    y = gated_rms_norm(y.reshape(b, t, e), zxbcdt, p["mixer_norm"], z_offset=0, eps=cfg.norm_eps,
+                       group_size=e // cfg.n_groups, out_dtype=u.dtype)
+    out = _linear(y, p["out_proj"], p.get("out_proj_bias"), out_dtype=out_dtype or u.dtype)
     return out, State(conv_state, ssm_state)
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxembed import models
 from jaxembed.errors import check_positive_int
-from jaxembed.weights import DerivedWeight, densify, dot, linear
+from jaxembed.weights import DerivedWeight, densify, dot, dot_sum
 
 F32 = jnp.float32
 
@@ -112,11 +112,10 @@ class LoraWeight(DerivedWeight):
         return (base.astype(F32) + self.scale * jnp.matmul(self.a, self.b)).astype(base.dtype)
 
     def matmul(self, x, compute_dtype, out_dtype=F32):
-        """x W + s (x A) B, each product accumulated in float32 and written in out_dtype: with a
-        bfloat16 out_dtype the GEMMs write bfloat16 and the backward's cotangent stays bfloat16 (a
-        float32 product cast down would make it float32, written and cast back for each GEMM)."""
+        """x W + s (x A) B as one GEMM, [x | s x A] @ [W ; B] (`weights.dot_sum`), accumulated in
+        float32 and written once in out_dtype; under autodiff the cotangent stays in compute_dtype."""
         down = self.scale * dot(x, self.a, compute_dtype)  # [b, t, r] float32
-        return linear(x, self.base, compute_dtype, out_dtype=out_dtype) + dot(down, self.b, compute_dtype, out_dtype)
+        return dot_sum(x, densify(self.base), down, self.b, compute_dtype, out_dtype)
 
 
 def init_adapters(config, params, lora: LoraConfig, key) -> dict:
