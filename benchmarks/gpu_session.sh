@@ -8,7 +8,8 @@
 #     .whl/*.whl && export PYTHONPATH=/tmp/site || exit; bash benchmarks/gpu_session.sh check breakdown warm
 #
 # Steps (in the order they matter):
-#   check      Pallas kernels compiled for real against their XLA references (benchmarks/kernels.py)
+#   check      Pallas kernels compiled for real against their XLA references (benchmarks/kernels.py), and the
+#              SSD backward kernel timed for 1..16 heads per program (the rule behind choose_heads_per_program)
 #   segments   #19: SSD, mLSTM and WKV7 at batch 1 with the sequence split into 1..16 segments (the sweep behind
 #              kernels.common.sequence_segments; T = 4096 is the batch-1 vertical chunk)
 #   breakdown  #19: projection floor, full embed, GEMM/kernel/glue per family (benchmarks/gpu_breakdown.py)
@@ -41,7 +42,7 @@ $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 
 for s in "$@"; do
     case $s in
-        check) step check 240 $PY benchmarks/kernels.py --only check ;;
+        check) step check 360 $PY benchmarks/kernels.py --only check ;;
         segments) step segments 340 $PY benchmarks/kernels.py --only sweep --families ssd mlstm wkv7 \
             --sweep-lengths 4096 16384 --out "$OUT/segments" ;;
         breakdown) step breakdown 420 $PY benchmarks/gpu_breakdown.py --families mamba2,rwkv7,xlstm --layers 4 \
