@@ -117,9 +117,11 @@ def run_layers(cfg, layer_params, x, states=None, *, runtime: Runtime):
 
     if states is None:
         batch = models.hidden(cfg, x).shape[0]
+        # a family's fresh_state (Mamba2) lets its kernels skip the zero state and the dropped one
+        fresh_state = getattr(family, "fresh_state", family.init_state)
 
         def fresh(x, inputs):
-            x, _ = apply_layer(x, *inputs, family.init_state(cfg, batch))
+            x, _ = apply_layer(x, *inputs, fresh_state(cfg, batch))
             return x, None
 
         x, _ = lax.scan(fresh, x, (scanned, jnp.arange(n_layers)))

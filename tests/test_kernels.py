@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import record_segments
+from conftest import jaxpr_equations, record_segments
 from jax.experimental import pallas as pl
 
 from jaxembed import kernels
@@ -309,6 +309,49 @@ def test_ssd_conv_gradients_through_the_backward_kernel():
         for name, got, want in zip("proj A conv_state w bias D dt_bias s0".split(), grads, ref_grads, strict=True):
             assert float(jnp.abs(want).max()) > 0, (t, name)
             assert rel_err(got, want) < KERNEL_TOLERANCE["float32"], (t, name, rel_err(got, want))
+
+
+def test_ssd_conv_fresh_state_is_neither_read_nor_written():
+    """Mamba2's layer path with no initial state and final_state=False (a fresh layer whose state is
+    dropped: training, horizontal embedding): y and every cotangent as `ops.ssd.conv_chunked` from
+    a zero state, through the backward kernel (3 chunks) and past it (9); None for the final state;
+    and no [b, h, p, n] state among the kernels' operands or results, forward or backward."""
+    from jaxembed.kernels import ssd_backward
+
+    rng = np.random.default_rng(next(_draws))
+    b, h, p, g, n, k = 2, 4, 16, 2, 16, 4
+    e, conv_dim = h * p, h * p + 2 * g * n
+    blocks = BlockSizes(chunk=16, value_block=16)
+    kw = dict(offset=e, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8, dt_limit=(0.05, 2.0))
+    for t in (37, 16 * ssd_backward.MAX_CHUNKS + 5):
+        args = (_normal(rng, (b, t, e + conv_dim + h)), -jnp.exp(_normal(rng, (h,))),
+                _normal(rng, (b, k - 1, conv_dim)), _normal(rng, (k, conv_dim), 0.5), _normal(rng, (conv_dim,), 0.3),
+                _normal(rng, (h,)), _normal(rng, (h,), 0.5))
+
+        def kernel_fn(proj, A, cs, w, bias, D, dt_bias):
+            y, conv_state, state = kernels.ssd_conv_chunked(proj, A, cs, w, bias, D=D, dt_bias=dt_bias,
+                                                            final_state=False, backend="interpret", blocks=blocks,
+                                                            **kw)
+            assert state is None
+            return y, conv_state
+
+        def reference_fn(proj, A, cs, w, bias, D, dt_bias):
+            y, conv_state, _ = ssd.conv_chunked(proj, A, cs, w, bias, D=D, dt_bias=dt_bias, **kw)
+            return y, conv_state
+
+        seed = next(_draws)
+        out, grads = jax.jit(lambda *a, seed=seed: _vjp(kernel_fn, a, seed))(*args)
+        ref_out, ref_grads = jax.jit(lambda *a, seed=seed: _vjp(reference_fn, a, seed))(*args)
+        for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref_out), strict=True):
+            assert rel_err(o, r) < KERNEL_TOLERANCE["float32"], t
+        for name, got, want in zip("proj A conv_state w bias D dt_bias".split(), grads, ref_grads, strict=True):
+            assert rel_err(got, want) < KERNEL_TOLERANCE["float32"], (t, name, rel_err(got, want))
+        if t == 37:
+            program = jax.make_jaxpr(lambda *a, seed=seed: _vjp(kernel_fn, a, seed))(*args)
+            kernels_io = [tuple(v.aval.shape) for eqn in jaxpr_equations(program.jaxpr)
+                          if eqn.primitive.name == "pallas_call" for v in (*eqn.invars, *eqn.outvars)]
+            states = [shape for shape in kernels_io if shape[:2] == (b, h) and shape[-2:] == (p, n)]
+            assert len(kernels_io) > 10 and not states, kernels_io
 
 
 def test_ssd_backward_kernel_under_strong_decay_against_a_float64_recurrence():

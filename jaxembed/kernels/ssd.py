@@ -113,18 +113,20 @@ def _for(lo, hi, body, S):
     return lax.fori_loop(lo, hi, body, S)
 
 
-def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref, *refs, L, chunks, segments, xconv,
-            in_place):
+def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, *refs, L, chunks, segments, xconv,
+            in_place, reads_state, writes_state):
     """Segment `program_id(3)` of the sequence (all of it when segments == 1): `chunks` chunks from
     the state entering the segment, which is the initial state carried through the segments before
     it by their own end states (`_segment_state_kernel`) and decays. `in_place`: the state refs are
-    one buffer, the stack of every layer's state, and `layer_ref` says which layer's entry to use."""
+    one buffer, the stack of every layer's state, and `layer_ref` says which layer's entry to use.
+    Without `reads_state` the initial state is zero and not read; without `writes_state` the final
+    state is not written (a fresh layer whose state is dropped: training, horizontal embedding)."""
+    s0_ref, refs = (refs[0], refs[1:]) if reads_state else (None, refs)
     layer_ref, refs = (refs[0], refs[1:]) if in_place else (None, refs)
     conv_refs, refs = (refs[:4], refs[4:]) if xconv is not None else ((), refs)
     if segments > 1:
-        seg_decay_ref, seg_state_ref, y_ref, s_ref = refs
-    else:
-        y_ref, s_ref = refs
+        seg_decay_ref, seg_state_ref, *refs = refs
+    y_ref, s_ref = refs if writes_state else (refs[0], None)
     causal, _ = common.causal_masks(L)
     D = D_ref[...]  # [pb]
 
@@ -141,12 +143,15 @@ def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref,
         return _state_step(S, x, Bc, dt, a_cum, a_to_end)
 
     tile = common.state_tile(layer_ref, x_ref.shape[-1], axis=2)  # [pb, n] of [b, h, p, n]
-    S, first = s0_ref[tile], 0
+    S = s0_ref[tile] if reads_state else jnp.zeros((x_ref.shape[-1], B_ref.shape[-1]), F32)
+    first = 0
     if segments > 1:
         segment = pl.program_id(3)
         S = lax.fori_loop(0, segment, lambda j, S: jnp.exp(seg_decay_ref[j]) * S + seg_state_ref[j], S)
         first = segment * chunks
-    s_ref[tile] = _walk_x(x_ref, conv_refs, xconv, L=L, first=first, chunks=chunks, step=chunk, S=S)
+    end = _walk_x(x_ref, conv_refs, xconv, L=L, first=first, chunks=chunks, step=chunk, S=S)
+    if writes_state:
+        s_ref[tile] = end
 
 
 def _segment_state_kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, *refs, L, chunks, xconv):
@@ -179,7 +184,7 @@ def _per_head_decays(dt, A, dt_bias, *, dt_limit, L: int, T: int, segments: int)
 
 
 def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_limit, blocks, interpret,
-            x_conv=None):
+            x_conv=None, final_state=True):
     """The kernel over column blocks of time-major arrays: x3 holds head j's values in columns
     [j*P, (j+1)*P) after `offsets[0]` blocks of value_block columns; B3 and C3 hold group gg's
     in columns [gg*N, (gg+1)*N) after offsets[1] / offsets[2] blocks of N columns. They may be
@@ -187,7 +192,8 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
     of t rows, convolved in the kernel (`XConv`; head and tail, convolved, [b, L, h*p], weight
     [k, >= h*p], bias [>= h*p]). Returns (y [b, t, h, p], final state [b, h, p, n]). A `StateSlot` state is read
     and written in place in its stack when the kernel can address it there (one segment, no
-    padding), else copied out and back; the final state is then the slot."""
+    padding), else copied out and back; the final state is then the slot. A None state is zero
+    and never read; with final_state=False no final state is written and None is returned for it."""
     b = x3.shape[0]
     r = h // g
     L, pb = blocks.chunk, blocks.value_block
@@ -199,12 +205,14 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
         y, end = _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state.read().astype(F32), t=t, h=h, p=p, g=g, n=n,
                          dt_limit=dt_limit, blocks=blocks, interpret=interpret, x_conv=x_conv)
         return y, state.write(end)
+    if in_place and not final_state:
+        raise ValueError("a StateSlot state is written back in its stack: final_state=False does not apply")
     dt, a_cum, a_to_end, segment_decay = _per_head_decays(dt, A, dt_bias, dt_limit=dt_limit, L=L, T=T,
                                                           segments=segments)
     B3, C3 = (common.pad_axis(v, 1, T) for v in (B3, C3))
     x3 = common.pad_axis(x3, 1, T) if x_conv is None else x3
     Dp = common.pad_axis(jnp.broadcast_to((D[:, None] if D.ndim == 1 else D).astype(F32), (h, p)), 1, P)
-    s0 = state.stacked if in_place else common.pad_axis(common.pad_axis(state, 2, P), 3, N)
+    reads_state = state is not None
     x_off, B_off, C_off = offsets
 
     x_spec = pl.BlockSpec((None, x3.shape[1], pb), lambda i, j, k, s: (i, 0, x_off + j * vb + k))
@@ -220,7 +228,12 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
     B_spec = pl.BlockSpec((None, T, N), lambda i, j, k, s: (i, 0, B_off + j // r))
     C_spec = pl.BlockSpec((None, T, N), lambda i, j, k, s: (i, 0, C_off + j // r))
     st = pl.BlockSpec((None, None, pb, N), lambda i, j, k, s: (i, j, k, 0))
-    state_args, state_specs = common.slot_inputs(state) if in_place else ([s0], [st])
+    if in_place:
+        state_args, state_specs = common.slot_inputs(state)
+    elif reads_state:
+        state_args, state_specs = [common.pad_axis(common.pad_axis(state, 2, P), 3, N)], [st]
+    else:
+        state_args, state_specs = [], []
     seg_st = pl.BlockSpec((None, None, None, pb, N), lambda i, j, k, s: (i, j, s, k, 0))
     extra_specs, extra_args = [], []
     if segments > 1:
@@ -234,32 +247,39 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
         extra_specs = [pl.BlockSpec((None, segments - 1, None), lambda i, j, k, s: (i, 0, j)),
                        pl.BlockSpec((None, None, segments - 1, pb, N), lambda i, j, k, s: (i, j, 0, k, 0))]
         extra_args = [segment_decay, seg_states]
-    y, ends = common.call(
-        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments, xconv=xconv, in_place=in_place),
+    y_spec = pl.BlockSpec((None, T, pb), lambda i, j, k, s: (i, 0, j * vb + k))
+    y_shape = jax.ShapeDtypeStruct((b, T, h * P), x3.dtype)
+    if final_state:
+        out_specs = [y_spec, pl.BlockSpec() if in_place else seg_st]
+        out_shape = [y_shape, jax.ShapeDtypeStruct(state.stacked.shape if in_place else (b, h, segments, P, N), F32)]
+    else:
+        out_specs, out_shape = [y_spec], [y_shape]
+    y, *ends = common.call(
+        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments, xconv=xconv, in_place=in_place,
+                              reads_state=reads_state, writes_state=final_state),
         grid=(b, h, vb, segments),
         in_specs=[x_spec, per_head, per_head, per_head, B_spec, C_spec,
                   pl.BlockSpec((None, pb), lambda i, j, k, s: (j, k)), *state_specs, *conv_specs, *extra_specs],
         # y time-major with the heads as column blocks [b, T, h*P], the layout of the gated norm that
         # reads it: written [b, T, h, P], XLA converted it to float32 in a pass of its own before the
         # norm (1.5 GB per Codestral layer at 32k tokens; benchmarks/gpu_program.py)
-        out_specs=[pl.BlockSpec((None, T, pb), lambda i, j, k, s: (i, 0, j * vb + k)),
-                   pl.BlockSpec() if in_place else seg_st],
-        out_shape=[jax.ShapeDtypeStruct((b, T, h * P), x3.dtype),
-                   jax.ShapeDtypeStruct(s0.shape if in_place else (b, h, segments, P, N), F32)],
+        out_specs=out_specs, out_shape=out_shape,
         blocks=blocks, interpret=interpret, name="ssd_chunked", input_output_aliases={7: 1} if in_place else None,
     )(x3, dt, a_cum, a_to_end, B3, C3, Dp, *state_args, *conv_args, *extra_args)
     y = y.reshape(b, T, h, P)[:, :t, :, :p]
-    return (y, StateSlot(ends, state.layer)) if in_place else (y, ends[:, :, -1, :p, :n])
+    if not final_state:
+        return y, None
+    return (y, StateSlot(ends[0], state.layer)) if in_place else (y, ends[0][:, :, -1, :p, :n])
 
 
-def _forward(x, dt, A, B, C, D, dt_bias, state, *, dt_limit, blocks, interpret):
+def _forward(x, dt, A, B, C, D, dt_bias, state, *, dt_limit, blocks, interpret, final_state=True):
     b, t, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     P, N = common.padded(p), common.padded(n)
     x3 = common.pad_axis(x, 3, P).reshape(b, t, h * P)
     B3, C3 = (common.pad_axis(v, 3, N).reshape(b, t, g * N) for v in (B, C))
     return _launch(x3, B3, C3, (0, 0, 0), dt, A, D, dt_bias, state, t=t, h=h, p=p, g=g, n=n, dt_limit=dt_limit,
-                   blocks=blocks, interpret=interpret)
+                   blocks=blocks, interpret=interpret, final_state=final_state)
 
 
 def packable(*, heads: int, head_dim: int, groups: int, state_size: int, value_block: int) -> bool:
@@ -270,27 +290,31 @@ def packable(*, heads: int, head_dim: int, groups: int, state_size: int, value_b
             and p % min(value_block, p) == 0)
 
 
-def _forward_xbc(xbc, dt, A, D, dt_bias, state, *, heads, head_dim, groups, state_size, dt_limit, blocks, interpret):
+def _forward_xbc(xbc, dt, A, D, dt_bias, state, *, heads, head_dim, groups, state_size, dt_limit, blocks, interpret,
+                 final_state=True):
     h, p, g, n = heads, head_dim, groups, state_size
     if not packable(heads=h, head_dim=p, groups=g, state_size=n, value_block=blocks.value_block):
         x, B, C = ref.split_xbc(xbc, heads=h, head_dim=p, groups=g, state_size=n)
-        return _forward(x, dt, A, B, C, D, dt_bias, state, dt_limit=dt_limit, blocks=blocks, interpret=interpret)
+        return _forward(x, dt, A, B, C, D, dt_bias, state, dt_limit=dt_limit, blocks=blocks, interpret=interpret,
+                        final_state=final_state)
     e = h * p
     return _launch(xbc, xbc, xbc, (0, e // n, e // n + g), dt, A, D, dt_bias, state, t=xbc.shape[1], h=h, p=p, g=g,
-                   n=n, dt_limit=dt_limit, blocks=blocks, interpret=interpret)
+                   n=n, dt_limit=dt_limit, blocks=blocks, interpret=interpret, final_state=final_state)
 
 
 @common.cached
-def _differentiable(chunk_size, dt_limit, blocks, interpret):
+def _differentiable(chunk_size, dt_limit, blocks, interpret, final_state=True):
     """The kernel, differentiated by the backward kernel (`ssd_backward`) for sequences of at most
-    its MAX_CHUNKS chunks and a state passed as an array (training), else as `jax.vjp` of the
-    reference."""
+    its MAX_CHUNKS chunks and a state passed as an array or None (training), else as `jax.vjp` of
+    the reference. final_state=False: None in place of the final state, which is never written."""
     def forward(x, dt, A, B, C, D, dt_bias, state):
-        return _forward(x, dt, A, B, C, D, dt_bias, state, dt_limit=dt_limit, blocks=blocks, interpret=interpret)
+        return _forward(x, dt, A, B, C, D, dt_bias, state, dt_limit=dt_limit, blocks=blocks, interpret=interpret,
+                        final_state=final_state)
 
     def reference(x, dt, A, B, C, D, dt_bias, state):
-        return through_slot(ref.chunked, x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
-                            dt_limit=dt_limit, initial_state=state)
+        y, end = through_slot(ref.chunked, x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
+                              dt_limit=dt_limit, initial_state=state)
+        return y, end if final_state else None
 
     from jaxembed.kernels import ssd_backward  # it steps states with this module's `_state_step`
 
@@ -342,7 +366,8 @@ def _packed_defaults(b, heads, head_dim, groups, state_size, initial_state, D, d
     """The packed entries' shared checks and defaults: (initial state, D, dt_bias, block sizes)."""
     if heads % groups:
         raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups})")
-    state = ops_common.initial_state(initial_state, (b, heads, head_dim, state_size))
+    # None stays None: the kernels start from a zero state without reading one
+    state = None if initial_state is None else ops_common.initial_state(initial_state, (b, heads, head_dim, state_size))
     D = jnp.zeros((heads,), F32) if D is None else D
     dt_bias = jnp.zeros((heads,), F32) if dt_bias is None else dt_bias
     if blocks is None:
@@ -367,7 +392,7 @@ def chunked_xbc(xbc, dt, A, *, heads: int, head_dim: int, groups: int, state_siz
 
 
 def _forward_conv(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state, *, offset, dims, dt_limit, blocks,
-                  interpret):
+                  interpret, final_state=True):
     h, p, g, n = dims
     e = h * p
     t, k, L, pb = proj.shape[1], conv_weight.shape[0], blocks.chunk, blocks.value_block
@@ -377,7 +402,7 @@ def _forward_conv(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state
             and k - 1 <= L):  # x's column blocks must start on block boundaries; the head holds k-1 + L rows
         xbc, _ = ref.causal_conv(xbc, conv_state, conv_weight, conv_bias, out_dtype=proj.dtype)
         y, state = _forward_xbc(xbc, dt, A, D, dt_bias, state, heads=h, head_dim=p, groups=g, state_size=n,
-                                dt_limit=dt_limit, blocks=blocks, interpret=interpret)
+                                dt_limit=dt_limit, blocks=blocks, interpret=interpret, final_state=final_state)
         return y, new_conv_state, state
     # B and C (2*g*n columns, read by every head of their group) are convolved here by XLA; x (h*p
     # columns, each read by one program) is convolved in the kernel, straight from in_proj's output
@@ -395,17 +420,18 @@ def _forward_conv(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state
         tail = common.pad_axis(tail, 1, L)
     y, state = _launch(proj, bc, bc, (offset // pb, 0, g), dt, A, D, dt_bias, state, t=t, h=h, p=p, g=g, n=n,
                        dt_limit=dt_limit, blocks=blocks, interpret=interpret,
-                       x_conv=(head, tail, conv_weight, conv_bias))
+                       x_conv=(head, tail, conv_weight, conv_bias), final_state=final_state)
     return y, new_conv_state, state
 
 
 @common.cached
-def _differentiable_conv(chunk_size, offset, dims, dt_limit, blocks, interpret):
+def _differentiable_conv(chunk_size, offset, dims, dt_limit, blocks, interpret, final_state):
     h, p, g, n = dims
 
     def forward(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state):
         return _forward_conv(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state, offset=offset,
-                             dims=dims, dt_limit=dt_limit, blocks=blocks, interpret=interpret)
+                             dims=dims, dt_limit=dt_limit, blocks=blocks, interpret=interpret,
+                             final_state=final_state)
 
     def reference(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state):
         # `ops.ssd.conv_chunked`: the split and conv in XLA, the SSD by the split form's kernels
@@ -413,7 +439,8 @@ def _differentiable_conv(chunk_size, offset, dims, dt_limit, blocks, interpret):
         xbc, dt = ref.split_projection(proj, offset=offset, heads=h, head_dim=p, groups=g, state_size=n)
         xbc, new_conv_state = ref.causal_conv(xbc, conv_state, conv_weight, conv_bias, out_dtype=proj.dtype)
         x, B, C = ref.split_xbc(xbc, heads=h, head_dim=p, groups=g, state_size=n)
-        y, state = _differentiable(chunk_size, dt_limit, blocks, interpret)(x, dt, A, B, C, D, dt_bias, state)
+        y, state = _differentiable(chunk_size, dt_limit, blocks, interpret, final_state)(x, dt, A, B, C, D, dt_bias,
+                                                                                           state)
         return y, new_conv_state, state
 
     return common.with_reference_vjp(forward, reference)
@@ -421,11 +448,13 @@ def _differentiable_conv(chunk_size, offset, dims, dt_limit, blocks, interpret):
 
 def conv_chunked(proj, A, conv_state, conv_weight, conv_bias, *, offset: int, heads: int, head_dim: int, groups: int,
                  state_size: int, chunk_size, D=None, dt_bias=None, dt_limit=(0.0, math.inf), initial_state=None,
-                 blocks: common.BlockSizes | None = None, interpret: bool = False):
+                 final_state: bool = True, blocks: common.BlockSizes | None = None, interpret: bool = False):
     """`ops.ssd.conv_chunked` computed by the Pallas kernel: in_proj's output proj [b, t, offset +
     conv_dim + h] -> (y [b, t, h, p], new conv state, final SSD state). x is read raw out of proj and
     convolved per chunk in the kernel (`XConv`; a conv state enters it in proj's dtype, exact for
-    the states a model carries, which are earlier rows of proj); B and C are convolved by XLA."""
+    the states a model carries, which are earlier rows of proj); B and C are convolved by XLA. A
+    None initial state is zero and never read; final_state=False returns None for the final state,
+    which is then never written (a layer whose state is dropped: training, horizontal embedding)."""
     b, t, _ = proj.shape
     conv_dim, k = heads * head_dim + 2 * groups * state_size, conv_weight.shape[0]
     if conv_weight.shape != (k, conv_dim) or conv_state.shape != (b, k - 1, conv_dim) or k < 1:
@@ -435,5 +464,5 @@ def conv_chunked(proj, A, conv_state, conv_weight, conv_bias, *, offset: int, he
                                                  blocks)
     conv_bias = jnp.zeros((conv_dim,), F32) if conv_bias is None else conv_bias
     f = _differentiable_conv(chunk_size, offset, (heads, head_dim, groups, state_size),
-                             tuple(float(v) for v in dt_limit), blocks, bool(interpret))
+                             tuple(float(v) for v in dt_limit), blocks, bool(interpret), bool(final_state))
     return f(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state)

@@ -53,8 +53,14 @@ MAX_HEADS_PER_PROGRAM = 8
 MIN_PROGRAMS = 1024
 
 
-def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, s0_ref, ds_ref,
-            dx_ref, x_dxt_ref, dD_ref, dB_ref, dC_ref, dcs_ref, r_ref, ds0_ref, *, L, chunks, heads, head_width, pb):
+def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, *refs, L, chunks, heads, head_width,
+            pb, reads_state, reads_d_state):
+    """Without `reads_state` the initial state is zero (not read) and its cotangent is not written;
+    without `reads_d_state` the final state's cotangent is zero (not read)."""
+    s0_ref, refs = (refs[0], refs[1:]) if reads_state else (None, refs)
+    ds_ref, refs = (refs[0], refs[1:]) if reads_d_state else (None, refs)
+    dx_ref, x_dxt_ref, dD_ref, dB_ref, dC_ref, dcs_ref, r_ref, *ds0_ref = refs
+    zero_state = jnp.zeros((pb, B_ref.shape[-1]), F32)
     causal, strict = common.causal_masks(L)
     last = lax.broadcasted_iota(jnp.int32, (L,), 0) == L - 1
     value_block = pl.program_id(2)
@@ -72,7 +78,7 @@ def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref,
                 t = _rows(k, L)
                 return _state_step(S, x_ref[t, cols], B_ref[t, :], dt_ref[j, t], a_cum_ref[j, t],
                                    a_to_end_ref[j, t])
-            return lax.fori_loop(0, c, step, s0_ref[j])
+            return lax.fori_loop(0, c, step, s0_ref[j] if reads_state else zero_state)
 
         def chunk(i, carry):
             dS, dD = carry
@@ -113,7 +119,10 @@ def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref,
             r_ref[j, t] = w * jnp.sum(xdt * dSB, axis=1)
             return common.dot((e[:, None] * dy.astype(F32)).astype(Cc.dtype), Cc, trans_a=True) + end * dS, dD
 
-        ds0_ref[j], dD_ref[cols] = lax.fori_loop(0, chunks, chunk, (ds_ref[j], jnp.zeros((pb,), F32)))
+        ds0, dD_ref[cols] = lax.fori_loop(0, chunks, chunk, (ds_ref[j] if reads_d_state else zero_state,
+                                                             jnp.zeros((pb,), F32)))
+        if reads_state:
+            ds0_ref[0][j] = ds0
         return carry
 
     lax.fori_loop(0, heads, head, 0)
@@ -133,7 +142,8 @@ def choose_heads_per_program(*, batch: int, heads: int, heads_per_group: int, va
 def backward(x, dt, A, B, C, D, dt_bias, state, dy, d_state, *, dt_limit, chunk, interpret,
              heads_per_program: int | None = None):
     """Cotangents of (x, dt, A, B, C, D, dt_bias, state) for `ops.ssd.chunked`'s (y, final state)
-    given theirs (dy, d_state): shapes and dtypes as the inputs. One chunk layout of `chunk`
+    given theirs (dy, d_state): shapes and dtypes as the inputs; a None state or d_state is zero,
+    and a None state gets None for its cotangent. One chunk layout of `chunk`
     tokens; t <= MAX_CHUNKS * chunk. `heads_per_program` (default: `choose_heads_per_program`)
     must divide the heads of a group."""
     b, t, h, p = x.shape
@@ -164,8 +174,10 @@ def backward(x, dt, A, B, C, D, dt_bias, state, dy, d_state, *, dt_limit, chunk,
 
     x3, dy3 = time_major(x, P), time_major(dy.astype(x.dtype), P)
     B3, C3 = time_major(B, N), time_major(C, N)
-    s0 = common.pad_axis(common.pad_axis(state.astype(F32), 2, P), 3, N)
-    ds = common.pad_axis(common.pad_axis(d_state.astype(F32), 2, P), 3, N)
+    def state_tile_layout(v):  # [b, h, p, n] -> float32 [b, h, P, N]; None (zero) stays None
+        return None if v is None else common.pad_axis(common.pad_axis(v.astype(F32), 2, P), 3, N)
+
+    s0, ds = state_tile_layout(state), state_tile_layout(d_state)
 
     # D per channel [h * P] (a per-head D broadcast over the head's channels)
     D_channels = (jnp.broadcast_to(D.astype(F32)[:, None], (h, p)) if D.ndim == 1 else D.astype(F32))
@@ -182,17 +194,22 @@ def backward(x, dt, A, B, C, D, dt_bias, state, dy, d_state, *, dt_limit, chunk,
     per_position = pl.BlockSpec((None, R, None, T), lambda i, j, k: (i, j, k, 0))
     blocks = common.BlockSizes(chunk=L, value_block=pb, num_warps=4, num_stages=1)
     per_position_shape = jax.ShapeDtypeStruct((b, h, vb, T), F32)
-    dx, x_dxt, dD, dB, dC, dcs, r_terms, ds0 = common.call(
-        lambda *refs: _kernel(*refs, L=L, chunks=chunks, heads=R, head_width=P, pb=pb),
+    # a None state (zero) is not read and gets no cotangent; a None d_state (zero) is not read
+    states = [v for v in (s0, ds) if v is not None]
+    state_shape = jax.ShapeDtypeStruct((b, h, P, N), F32)
+    dx, x_dxt, dD, dB, dC, dcs, r_terms, *ds0 = common.call(
+        lambda *refs: _kernel(*refs, L=L, chunks=chunks, heads=R, head_width=P, pb=pb, reads_state=s0 is not None,
+                              reads_d_state=ds is not None),
         grid=(b, h // R, vb),
-        in_specs=[columns, columns, per_head, per_head, per_head, group, group, channels, state_tiles, state_tiles],
-        out_specs=[columns, per_position, row_channels, partial, partial, per_position, per_position, state_tiles],
+        in_specs=[columns, columns, per_head, per_head, per_head, group, group, channels] + [state_tiles] * len(states),
+        out_specs=[columns, per_position, row_channels, partial, partial, per_position, per_position]
+        + [state_tiles] * (s0 is not None),
         out_shape=[jax.ShapeDtypeStruct((b, T, h * P), x.dtype), per_position_shape,
                    jax.ShapeDtypeStruct((b, h * P), F32), jax.ShapeDtypeStruct((b, h // R, vb, T, N), F32),
-                   jax.ShapeDtypeStruct((b, h // R, vb, T, N), F32), per_position_shape, per_position_shape,
-                   jax.ShapeDtypeStruct((b, h, P, N), F32)],
+                   jax.ShapeDtypeStruct((b, h // R, vb, T, N), F32), per_position_shape, per_position_shape]
+        + [state_shape] * (s0 is not None),
         blocks=blocks, interpret=interpret, name="ssd_chunked_backward",
-    )(x3, dy3, head_major(dt_eff), head_major(a_cum), head_major(a_to_end), B3, C3, D_channels, s0, ds)
+    )(x3, dy3, head_major(dt_eff), head_major(a_cum), head_major(a_to_end), B3, C3, D_channels, *states)
 
     dx = dx.reshape(b, T, h, P)[:, :t, :, :p]
     dt_eff = dt_eff[:, :t]
@@ -215,4 +232,4 @@ def backward(x, dt, A, B, C, D, dt_bias, state, dy, d_state, *, dt_limit, chunk,
     d_dt, d_bias = dt_vjp(d_dt_eff)
     return (dx.astype(x.dtype), d_dt.astype(dt.dtype), dA.astype(A.dtype), grouped(dB).astype(B.dtype),
             grouped(dC).astype(C.dtype), dD.astype(D.dtype), d_bias.astype(dt_bias.dtype),
-            ds0[:, :, :p, :n].astype(state.dtype))
+            ds0[0][:, :, :p, :n].astype(state.dtype) if state is not None else None)

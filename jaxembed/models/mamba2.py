@@ -115,7 +115,7 @@ Config = Mamba2Config
 
 class State(NamedTuple):
     conv: jax.Array  # [b, k-1, conv_dim] float32
-    ssm: jax.Array  # [b, h, p, n] float32
+    ssm: jax.Array | None  # [b, h, p, n] float32; None: zero and dropped (`fresh_state`)
 
 
 def param_shapes(cfg: Mamba2Config) -> dict:
@@ -214,6 +214,13 @@ def init_state(cfg: Mamba2Config, batch: int) -> State:
     )
 
 
+def fresh_state(cfg: Mamba2Config, batch: int) -> State:
+    """The state of a layer that starts from zero and whose new state is dropped (the scheduler's
+    horizontal pass, training): ssm None, so the SSD kernel neither reads a zero state nor writes
+    a final one (f32 [b, h, p, n] each way, a layer's largest state)."""
+    return State(conv=jnp.zeros((batch, cfg.d_conv - 1, cfg.conv_dim), F32), ssm=None)
+
+
 def rms_norm(x, weight, eps, group_size=None):
     """RMSNorm in float32 over the last axis, or over groups of `group_size` channels of it."""
     xf = x.astype(F32)
@@ -300,7 +307,7 @@ def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, runtime: Runtime, out_
         zxbcdt, -jnp.exp(p["A_log"].astype(F32)), state.conv, p["conv_weight"], p.get("conv_bias"),
         offset=e, heads=h, head_dim=cfg.head_dim, groups=cfg.n_groups, state_size=cfg.d_state,
         chunk_size=runtime.chunk_size, backend=runtime.kernels, D=p["D"], dt_bias=p["dt_bias"], dt_limit=cfg.dt_limit,
-        initial_state=state.ssm,
+        initial_state=state.ssm, final_state=state.ssm is not None,
     )
     y = gated_rms_norm(y.reshape(b, t, e), zxbcdt, p["mixer_norm"], z_offset=0, eps=cfg.norm_eps,
                        group_size=e // cfg.n_groups, out_dtype=u.dtype)

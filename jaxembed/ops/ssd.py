@@ -321,15 +321,16 @@ def split_projection(proj, *, offset: int, heads: int, head_dim: int, groups: in
 
 def conv_chunked(proj, A, conv_state, conv_weight, conv_bias, *, offset: int, heads: int, head_dim: int,
                  groups: int, state_size: int, chunk_size, D=None, dt_bias=None, dt_limit=(0.0, math.inf),
-                 initial_state=None):
+                 initial_state=None, final_state: bool = True):
     """The Mamba2 mixer from in_proj's output proj [b, t, offset + conv_dim + h] (raw x, B and C
     at column `offset`, then dt) to the SSD output: conv + SiLU of x, B and C (`causal_conv`, its
     output in proj's dtype), then `chunked_xbc`.
-    Returns (y [b, t, h, p] in proj's dtype, new conv state float32, final SSD state float32)."""
+    Returns (y [b, t, h, p] in proj's dtype, new conv state float32, final SSD state float32, or
+    None with final_state=False)."""
     xbc, dt = split_projection(proj, offset=offset, heads=heads, head_dim=head_dim, groups=groups,
                                state_size=state_size)
     xbc, conv_state = causal_conv(xbc, conv_state, conv_weight, conv_bias, out_dtype=proj.dtype)
     y, state = chunked_xbc(xbc, dt, A, heads=heads, head_dim=head_dim, groups=groups, state_size=state_size,
                            chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_limit=dt_limit,
                            initial_state=initial_state)
-    return y, conv_state, state
+    return y, conv_state, state if final_state else None
