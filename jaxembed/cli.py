@@ -445,7 +445,8 @@ def one_line(err: BaseException) -> str:
     from jaxembed import errors
 
     first = (str(err).strip().splitlines() or [""])[0][:400]
-    ours = (errors.ConfigError, errors.ConversionError, errors.DataError, errors.SpecError, errors.MissingDataError)
+    ours = (errors.ConfigError, errors.ConversionError, errors.DataError, errors.SpecError, errors.MissingDataError,
+            errors.TrainingDivergedError)
     if isinstance(err, ours):
         return str(err).strip()  # our messages may list several problems, one per line
     if isinstance(err, (ValueError, TypeError, FloatingPointError)):

@@ -27,6 +27,10 @@ class MissingDataError(RuntimeError):
     """An evaluation task's dataset is neither local nor reachable."""
 
 
+class TrainingDivergedError(FloatingPointError):
+    """A training step gave a non-finite loss or gradient norm: the run stops before saving it."""
+
+
 def check_positive_int(name: str, value, *, optional: bool = False, error: type[Exception] = ValueError) -> None:
     """Raise `error` naming `name` unless value is a positive int (numpy ints count, bools do not),
     or None where `optional`."""

@@ -461,6 +461,34 @@ def test_grad_cache_auto_fits_the_step_in_memory(tmp_path):
         other.restore()
 
 
+def test_a_diverging_run_stops_before_saving_the_step(tmp_path):
+    """A learning rate that overflows the params (1e38: the loss is NaN at step 2) stops the run with
+    an error naming the step, after logging it and before any checkpoint of it: the checkpoint of
+    step 1 is complete and restorable, and metrics.jsonl shows the NaN step."""
+    import yaml
+
+    from jaxembed.errors import TrainingDivergedError
+    from jaxembed.train.config import load_train_config
+    from jaxembed.train.trainer import Trainer
+
+    rows = [{"query": f"query {i} " * 3, "positive": f"the text of document {i} " * 4, "negatives": ["other " * 5]}
+            for i in range(16)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = {"model": {"init": str(ROOT / "configs/models/tiny-train-mamba2.yaml"), "tokenizer": "stdlib-bpe:256"},
+           "data": {"train": str(tmp_path / "d.jsonl"), "negatives_per_query": 1, "max_tokens": 64},
+           "lora": None, "train": {"batch_size": 8, "max_steps": 4, "learning_rate": 1e38, "warmup_steps": 0,
+                                   "log_every": 2},
+           "checkpoint": {"directory": str(tmp_path / "ck"), "every": 1}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    cfg = load_train_config(tmp_path / "c.yaml")
+    with pytest.raises(TrainingDivergedError, match=r"diverged at step 2: loss nan, .* checkpoint of step 1 is intact"):
+        Trainer(cfg, show_progress=False).run()
+    logged = [json.loads(line) for line in cfg.log_path.read_text().splitlines()]
+    assert [(r["step"], np.isfinite(r["loss"])) for r in logged if "loss" in r] == [(1, True), (2, False)]
+    resumed = Trainer(cfg, show_progress=False)
+    assert resumed.manager.all_steps() == [1] and resumed.restore() == 1
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs/train").glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_training_configs_load(path):
     from jaxembed.train.config import load_train_config

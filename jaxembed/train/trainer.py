@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import inspect
 import json
+import math
 import os
 import signal
 import time
@@ -32,6 +33,7 @@ from tqdm import tqdm
 from jaxembed import checkpoint, models
 from jaxembed.config import ConfigError, load_config
 from jaxembed.embedder import Embedder, bucket_length, load_tokenizer
+from jaxembed.errors import TrainingDivergedError
 from jaxembed.train import data as data_lib
 from jaxembed.train import lora as lora_lib
 from jaxembed.train import pipeline
@@ -387,7 +389,25 @@ class Trainer:
         batch = self.batch(step)
         self.truncated += batch.truncated
         self.state, metrics = self._step_fn(batch.plan)(self.state, self.base, self._device_batch(batch))
-        return self._rows([(step, batch, metrics, self.truncated)], tick, 0.0)[0]
+        row = self._rows([(step, batch, metrics, self.truncated)], tick, 0.0)[0]
+        self._check_finite([row])
+        return row
+
+    def _check_finite(self, rows: list[dict]) -> None:
+        """Stop at the first step whose loss or gradient norm is not finite. Called before any later
+        checkpoint is written: the parameters it produced (NaN under AdamW from then on) are never
+        saved, and a rerun resumes from the last good checkpoint."""
+        for row in rows:
+            if all(math.isfinite(row[k]) for k in ("loss", "grad_norm")):
+                continue
+            latest = self.manager.latest_step()
+            saved = (f"the checkpoint of step {latest} is intact, and a rerun resumes from it" if latest is not None
+                     else "no checkpoint was written before it")
+            raise TrainingDivergedError(
+                f"training diverged at step {row['step']}: loss {row['loss']}, gradient norm {row['grad_norm']} "
+                f"(learning rate {row['lr']:.3g}). Its parameters are not saved; {saved}. Lower "
+                f"train.learning_rate, lengthen train.warmup_steps, or train in float32 (model.dtype) to see "
+                f"whether bf16 overflows")
 
     def _rows(self, pending, window_start: float, input_wait_s: float) -> list[dict]:
         """Log rows of the steps in `pending` [(step, batch, device metrics, truncated so far)], their
@@ -438,8 +458,10 @@ class Trainer:
         def flush():
             nonlocal pending, window_start, waited
             if pending:
-                for row in self._rows(pending, window_start, waited):
+                flushed = self._rows(pending, window_start, waited)
+                for row in flushed:
                     record(row)
+                self._check_finite(flushed)  # logged first, so metrics.jsonl shows the step that diverged
                 last = rows[-1]
                 bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}", tok_s=f"{last['tokens_per_s']:.0f}",
                                 wait=f"{last['input_wait_share']:.0%}")
@@ -471,8 +493,9 @@ class Trainer:
             pool.shutdown(wait=True, cancel_futures=True)
             if board:
                 board.close()
+            # also when a step fails: the last good checkpoint's background commit must complete
+            self.manager.wait_until_finished()
         bar.close()
-        self.manager.wait_until_finished()
         return rows
 
     def report_dict(self) -> dict:
