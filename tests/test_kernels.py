@@ -354,13 +354,19 @@ def test_ssd_conv_fresh_state_is_neither_read_nor_written():
             assert len(kernels_io) > 10 and not states, kernels_io
 
 
-def test_ssd_backward_kernel_under_strong_decay_against_a_float64_recurrence():
+@pytest.mark.parametrize("seed", [0, 6, 8])
+def test_ssd_backward_kernel_under_strong_decay_against_a_float64_recurrence(seed):
     """The backward kernel with per-token log decays around -20 (the diagonal of each chunk's P
     dominates): every cotangent against float64 autodiff of the token-by-token recurrence
-    written out here, S_t = exp(dt_t A) S_{t-1} + dt_t x_t ⊗ B_t, y_t = S_t C_t + D x_t."""
+    written out here, S_t = exp(dt_t A) S_{t-1} + dt_t x_t ⊗ B_t, y_t = S_t C_t + D x_t.
+
+    The chunk's cumulative log decays reach ~-1,000 in float32, so dA's error depends on the
+    draw: over seeds 0-11 the kernel is within 4e-7 to 7.1e-5 of float64 (seeds 6 and 8 are the
+    worst two, kept here), where `jax.vjp` of the chunked reference in float32, the backward it
+    replaces, is within 5e-6 to 1.5e-3. Fixed seeds: the draw does not depend on test order."""
     from jaxembed.kernels import ssd_backward
 
-    rng = np.random.default_rng(next(_draws))
+    rng = np.random.default_rng(seed)
     b, t, h, p, g, n = 1, 128, 2, 16, 1, 16
     args = (_normal(rng, (b, t, h, p)), _normal(rng, (b, t, h)) + 1.0, -10 * jnp.exp(_normal(rng, (h,))),
             _normal(rng, (b, t, g, n)), _normal(rng, (b, t, g, n)), _normal(rng, (h,)), _normal(rng, (h,), 0.5),
@@ -385,7 +391,7 @@ def test_ssd_backward_kernel_under_strong_decay_against_a_float64_recurrence():
         want = [np.asarray(w) for w in want]
     got = ssd_backward.backward(*args, *cot, dt_limit=(0.0, math.inf), chunk=64, interpret=True)
     for name, g_, w in zip("x dt A B C D dt_bias s0".split(), got, want, strict=True):
-        assert rel_err(g_, w) < 2e-5, (name, rel_err(g_, w))
+        assert rel_err(g_, w) < 1e-4, (name, rel_err(g_, w))
 
 
 def test_ssd_backward_kernel_sums_several_heads_per_program():
