@@ -108,3 +108,42 @@ def test_rejects_misshaped_state():
     v = inputs(seed=7, t=8)
     with pytest.raises(ValueError, match="initial_state has shape"):
         ssd.chunked(v["x"], v["dt"], v["A"], v["B"], v["C"], chunk_size=8, initial_state=np.zeros((1, 2, 3, 4)))
+
+
+@pytest.mark.parametrize("t, has_bias, dtype", [(37, True, "float32"), (2, False, "float32"), (19, True, "bfloat16")])
+def test_causal_conv_backward_against_float64(t, has_bias, dtype):
+    """`causal_conv` (depthwise causal conv over [conv_state ‖ x], then SiLU) with its written-out
+    backward: the output and the cotangents of x, the conv state, the weight and the bias against
+    float64 autodiff of the formula written out here, out_t = silu(Σ_i w_i u_{t+i} + bias) with
+    u = [conv_state ‖ x]; t = 2 is shorter than the conv state."""
+    import jax
+
+    rng = np.random.default_rng(7 + t)
+    b, c, k = 2, 6, 4
+    dt = jnp.dtype(dtype)
+    x = jnp.asarray(rng.normal(size=(b, t, c)), dt)
+    state = jnp.asarray(rng.normal(size=(b, k - 1, c)), jnp.float32)
+    weight = jnp.asarray(0.5 * rng.normal(size=(k, c)), jnp.float32)
+    bias = jnp.asarray(0.3 * rng.normal(size=(c,)), jnp.float32) if has_bias else None
+    d_out = jnp.asarray(rng.normal(size=(b, t, c)), dt)
+    d_state = jnp.asarray(rng.normal(size=(b, k - 1, c)), jnp.float32)
+
+    def formula(x, state, weight, bias):
+        u = jnp.concatenate([state, x], axis=1)
+        pre = sum(u[:, i:i + t] * weight[i] for i in range(k)) + (0.0 if bias is None else bias)
+        return pre / (1.0 + jnp.exp(-pre)), u[:, t:]
+
+    out, vjp = jax.vjp(lambda *a: ssd.causal_conv(*a, out_dtype=dt), x, state, weight, bias)
+    with jax.enable_x64(True):
+        want, want_vjp = jax.vjp(formula, *(None if a is None else np.asarray(a, np.float64)
+                                            for a in (x, state, weight, bias)))
+        wants = want_vjp(tuple(np.asarray(g, np.float64) for g in (d_out, d_state)))
+    tol = TOLERANCE[dtype] if dtype == "bfloat16" else 1e-6
+    for got, w in zip(out, want, strict=True):
+        assert got.dtype in (dt, jnp.float32) and rel_err(got, np.asarray(w)) < tol
+    for name, got, w in zip(("x", "state", "weight", "bias"), vjp((d_out, d_state)), wants, strict=True):
+        if w is None:
+            assert got is None
+            continue
+        assert got.dtype == {"x": dt}.get(name, jnp.float32)
+        assert rel_err(got, np.asarray(w)) < tol, (name, rel_err(got, np.asarray(w)))

@@ -28,6 +28,7 @@ matmuls take the activation dtype and accumulate in float32.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -292,7 +293,15 @@ def causal_conv(xbc, conv_state, weight, bias, out_dtype=F32):
 
     xbc [b, t, c], conv_state [b, k-1, c] float32, weight [k, c], bias [c] or None.
     Returns (out [b, t, c] in out_dtype, computed in float32; new conv state float32).
+    The backward is written out (`_conv_silu_bwd`).
     """
+    zero_bias = bias is None
+    bias = jnp.zeros(weight.shape[1:], F32) if zero_bias else bias
+    out = _conv_silu(xbc, conv_state, weight, bias, jnp.dtype(out_dtype))
+    return out, conv_state_after(xbc, conv_state)
+
+
+def _conv_silu_forward(xbc, conv_state, weight, bias, out_dtype):
     k, t = weight.shape[0], xbc.shape[1]
     x = xbc.astype(F32)
 
@@ -303,10 +312,48 @@ def causal_conv(xbc, conv_state, weight, bias, out_dtype=F32):
         from_state, from_x = conv_state[:, i : i + t], x[:, : max(0, i + t - (k - 1))]
         return from_x if from_state.shape[1] == 0 else jnp.concatenate([from_state, from_x], axis=1)
 
-    out = sum(window(i) * weight[i].astype(F32) for i in range(k))
-    if bias is not None:
-        out = out + bias.astype(F32)
-    return silu(out).astype(out_dtype), conv_state_after(xbc, conv_state)
+    out = sum(window(i) * weight[i].astype(F32) for i in range(k)) + bias.astype(F32)
+    return silu(out).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _conv_silu(xbc, conv_state, weight, bias, out_dtype):
+    return _conv_silu_forward(xbc, conv_state, weight, bias, out_dtype)
+
+
+def _conv_silu_fwd(xbc, conv_state, weight, bias, out_dtype):
+    return _conv_silu_forward(xbc, conv_state, weight, bias, out_dtype), (xbc, conv_state, weight, bias)
+
+
+def _conv_silu_bwd(out_dtype, residuals, d_out):
+    """With u = [conv_state ‖ x], pre_s = Σ_j w_j u_{s+j} + bias and d_pre = d_out ∘ silu'(pre):
+    d u_r = Σ_i w_i d_pre_{r-i}. x's rows take d_pre at k shifts, each recomputed from u where it
+    is read: autodiff (and a d_pre computed once) made XLA write d_pre out in float32 and read it
+    back at every shift (4 + 4 bytes a channel, against 2 for reading u again)."""
+    xbc, conv_state, weight, bias = residuals
+    k, t = weight.shape[0], xbc.shape[1]
+    w, bias_f = weight.astype(F32), bias.astype(F32)
+    u = jnp.concatenate([conv_state.astype(F32), xbc.astype(F32)], axis=1)  # [b, k-1+t, c]
+    u = jnp.pad(u, ((0, 0), (0, k - 1), (0, 0)))  # positions past t read zeros (their d_out is 0)
+    g = jnp.pad(d_out.astype(F32), ((0, 0), (0, k - 1), (0, 0)))
+
+    def d_pre(shift):  # d_pre at positions shift .. shift + t - 1
+        pre = sum(u[:, shift + j : shift + j + t] * w[j] for j in range(k)) + bias_f
+        sig = jax.nn.sigmoid(pre)
+        return g[:, shift : shift + t] * sig * (1.0 + pre * (1.0 - sig))
+
+    # x's row τ is u's row k-1+τ: Σ_i w_i d_pre_{k-1+τ-i}, i.e. shift k-1-i
+    dx = sum(w[k - 1 - shift] * d_pre(shift) for shift in range(k))
+    here = d_pre(0)  # d_pre at its own positions (the state, weight and bias cotangents; dropped if unused)
+    head = jnp.pad(here, ((0, 0), (0, max(0, k - 1 - t)), (0, 0)))[:, : k - 1]
+    d_state = jnp.stack([sum(w[i] * head[:, r - i] for i in range(r + 1)) for r in range(k - 1)], axis=1) \
+        if k > 1 else jnp.zeros_like(conv_state, F32)
+    dw = jnp.stack([jnp.sum(u[:, i : i + t] * here, axis=(0, 1)) for i in range(k)])
+    return (dx.astype(xbc.dtype), d_state.astype(conv_state.dtype), dw.astype(weight.dtype),
+            jnp.sum(here, axis=(0, 1)).astype(bias.dtype))
+
+
+_conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
 
 
 def split_projection(proj, *, offset: int, heads: int, head_dim: int, groups: int, state_size: int):
