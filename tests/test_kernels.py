@@ -276,6 +276,20 @@ def test_ssd_convolving_raw_x_in_the_kernel_matches_the_recurrence(dtype):
         np.testing.assert_array_equal(np.asarray(conv_out), np.asarray(conv_ref))
 
 
+def _assert_same_vjp(kernel_fn, reference_fn, args, names: str, label):
+    """The kernel's outputs and every input's cotangent, from the same random output cotangents,
+    against the reference's in float32 (each cotangent non-zero). Returns the cotangents' seed."""
+    seed = next(_draws)
+    out, grads = jax.jit(lambda *a: _vjp(kernel_fn, a, seed))(*args)
+    ref_out, ref_grads = jax.jit(lambda *a: _vjp(reference_fn, a, seed))(*args)
+    for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref_out), strict=True):
+        assert rel_err(o, r) < KERNEL_TOLERANCE["float32"], label
+    for name, got, want in zip(names.split(), grads, ref_grads, strict=True):
+        assert float(jnp.abs(want).max()) > 0, (label, name)
+        assert rel_err(got, want) < KERNEL_TOLERANCE["float32"], (label, name, rel_err(got, want))
+    return seed
+
+
 def test_ssd_conv_gradients_through_the_backward_kernel():
     """Mamba2's layer path (raw x convolved in the forward kernel) differentiated: the backward
     kernel (`kernels.ssd_backward`, sequences of at most MAX_CHUNKS of its chunks) and, past that,
@@ -301,14 +315,7 @@ def test_ssd_conv_gradients_through_the_backward_kernel():
         def reference_fn(proj, A, cs, w, bias, D, dt_bias, s0):
             return ssd.conv_chunked(proj, A, cs, w, bias, D=D, dt_bias=dt_bias, initial_state=s0, **kw)
 
-        seed = next(_draws)
-        out, grads = jax.jit(lambda *a, seed=seed: _vjp(kernel_fn, a, seed))(*args)
-        ref_out, ref_grads = jax.jit(lambda *a, seed=seed: _vjp(reference_fn, a, seed))(*args)
-        for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref_out), strict=True):
-            assert rel_err(o, r) < KERNEL_TOLERANCE["float32"], t
-        for name, got, want in zip("proj A conv_state w bias D dt_bias s0".split(), grads, ref_grads, strict=True):
-            assert float(jnp.abs(want).max()) > 0, (t, name)
-            assert rel_err(got, want) < KERNEL_TOLERANCE["float32"], (t, name, rel_err(got, want))
+        _assert_same_vjp(kernel_fn, reference_fn, args, "proj A conv_state w bias D dt_bias s0", t)
 
 
 def test_ssd_conv_fresh_state_is_neither_read_nor_written():
@@ -339,13 +346,7 @@ def test_ssd_conv_fresh_state_is_neither_read_nor_written():
             y, conv_state, _ = ssd.conv_chunked(proj, A, cs, w, bias, D=D, dt_bias=dt_bias, **kw)
             return y, conv_state
 
-        seed = next(_draws)
-        out, grads = jax.jit(lambda *a, seed=seed: _vjp(kernel_fn, a, seed))(*args)
-        ref_out, ref_grads = jax.jit(lambda *a, seed=seed: _vjp(reference_fn, a, seed))(*args)
-        for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref_out), strict=True):
-            assert rel_err(o, r) < KERNEL_TOLERANCE["float32"], t
-        for name, got, want in zip("proj A conv_state w bias D dt_bias".split(), grads, ref_grads, strict=True):
-            assert rel_err(got, want) < KERNEL_TOLERANCE["float32"], (t, name, rel_err(got, want))
+        seed = _assert_same_vjp(kernel_fn, reference_fn, args, "proj A conv_state w bias D dt_bias", t)
         if t == 37:
             program = jax.make_jaxpr(lambda *a, seed=seed: _vjp(kernel_fn, a, seed))(*args)
             kernels_io = [tuple(v.aval.shape) for eqn in jaxpr_equations(program.jaxpr)
