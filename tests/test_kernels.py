@@ -355,6 +355,22 @@ def test_ssd_conv_fresh_state_is_neither_read_nor_written():
             assert len(kernels_io) > 10 and not states, kernels_io
 
 
+@pytest.mark.parametrize("backend, segments", [("interpret", 1), ("interpret", 2), ("xla", None)])
+def test_state_slot_with_final_state_false_is_refused(backend, segments):
+    """A StateSlot's final state is written back into its stack, so final_state=False does not apply:
+    the same error in place (one segment), copied out (two) and on the XLA path."""
+    rng = np.random.default_rng(next(_draws))
+    b, h, p, g, n, k, t = 1, 4, 16, 2, 16, 4, 32
+    e, conv_dim = h * p, h * p + 2 * g * n
+    args = (_normal(rng, (b, t, e + conv_dim + h)), -jnp.exp(_normal(rng, (h,))), _normal(rng, (b, k - 1, conv_dim)),
+            _normal(rng, (k, conv_dim), 0.5), _normal(rng, (conv_dim,), 0.3))
+    blocks = None if segments is None else BlockSizes(chunk=16, value_block=16, segments=segments)
+    with pytest.raises(ValueError, match="final_state=False does not apply"):
+        kernels.ssd_conv_chunked(*args, offset=e, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8,
+                                 initial_state=StateSlot(_normal(rng, (3, b, h, p, n)), 1), final_state=False,
+                                 backend=backend, blocks=blocks)
+
+
 @pytest.mark.parametrize("seed", [0, 6, 8])
 def test_ssd_backward_kernel_under_strong_decay_against_a_float64_recurrence(seed):
     """The backward kernel with per-token log decays around -20 (the diagonal of each chunk's P

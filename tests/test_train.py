@@ -462,9 +462,10 @@ def test_grad_cache_auto_fits_the_step_in_memory(tmp_path):
 
 
 def test_a_diverging_run_stops_before_saving_the_step(tmp_path):
-    """A learning rate that overflows the params (1e38: the loss is NaN at step 2) stops the run with
-    an error naming the step, after logging it and before any checkpoint of it: the checkpoint of
-    step 1 is complete and restorable, and metrics.jsonl shows the NaN step."""
+    """A learning rate that overflows the params (1e38 from step 2, after one warm-up step at 0):
+    the run stops at step 2, the step whose update did it (its loss is still finite; the updated
+    params' norm is not), after logging it and before any checkpoint of it. The checkpoint of
+    step 1 is complete and restorable, with finite params."""
     import yaml
 
     from jaxembed.errors import TrainingDivergedError
@@ -476,17 +477,20 @@ def test_a_diverging_run_stops_before_saving_the_step(tmp_path):
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     raw = {"model": {"init": str(ROOT / "configs/models/tiny-train-mamba2.yaml"), "tokenizer": "stdlib-bpe:256"},
            "data": {"train": str(tmp_path / "d.jsonl"), "negatives_per_query": 1, "max_tokens": 64},
-           "lora": None, "train": {"batch_size": 8, "max_steps": 4, "learning_rate": 1e38, "warmup_steps": 0,
+           "lora": None, "train": {"batch_size": 8, "max_steps": 4, "learning_rate": 1e38, "warmup_steps": 1,
                                    "log_every": 2},
            "checkpoint": {"directory": str(tmp_path / "ck"), "every": 1}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
     cfg = load_train_config(tmp_path / "c.yaml")
-    with pytest.raises(TrainingDivergedError, match=r"diverged at step 2: loss nan, .* checkpoint of step 1 is intact"):
+    with pytest.raises(TrainingDivergedError, match=r"diverged at step 2: the step's update made the parameters "
+                                                    r"overflow .* checkpoint of step 1 holds finite parameters"):
         Trainer(cfg, show_progress=False).run()
     logged = [json.loads(line) for line in cfg.log_path.read_text().splitlines()]
-    assert [(r["step"], np.isfinite(r["loss"])) for r in logged if "loss" in r] == [(1, True), (2, False)]
+    steps = [(r["step"], np.isfinite(r["loss"]), np.isfinite(r["param_norm"])) for r in logged if "loss" in r]
+    assert steps == [(1, True, True), (2, True, False)]
     resumed = Trainer(cfg, show_progress=False)
     assert resumed.manager.all_steps() == [1] and resumed.restore() == 1
+    assert all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(resumed.state.adapters))
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs/train").glob("*.yaml")), ids=lambda p: p.stem)

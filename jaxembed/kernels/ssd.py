@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jaxembed.kernels import common
 from jaxembed.ops import common as ops_common
 from jaxembed.ops import ssd as ref
-from jaxembed.ops.common import StateSlot, through_slot
+from jaxembed.ops.common import STATE_SLOT_KEEPS_ITS_STATE, StateSlot, through_slot
 
 F32 = jnp.float32
 
@@ -201,12 +201,12 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
     vb = P // pb  # value blocks per head
     segments, chunks, T = common.segment_layout(blocks, programs=b * h * vb, t=t)
     in_place = common.addressable_slot(state, segments=segments, padded=(P, N) != (p, n))
+    if isinstance(state, StateSlot) and not final_state:
+        raise ValueError(STATE_SLOT_KEEPS_ITS_STATE)
     if isinstance(state, StateSlot) and not in_place:
         y, end = _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state.read().astype(F32), t=t, h=h, p=p, g=g, n=n,
                          dt_limit=dt_limit, blocks=blocks, interpret=interpret, x_conv=x_conv)
         return y, state.write(end)
-    if in_place and not final_state:
-        raise ValueError("a StateSlot state is written back in its stack: final_state=False does not apply")
     dt, a_cum, a_to_end, segment_decay = _per_head_decays(dt, A, dt_bias, dt_limit=dt_limit, L=L, T=T,
                                                           segments=segments)
     B3, C3 = (common.pad_axis(v, 1, T) for v in (B3, C3))

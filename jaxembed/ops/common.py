@@ -53,6 +53,10 @@ def _is_slot(x) -> bool:
     return isinstance(x, StateSlot)
 
 
+STATE_SLOT_KEEPS_ITS_STATE = ("a StateSlot initial state gets its final state written back into its stack: "
+                              "final_state=False does not apply to it")
+
+
 def through_slot(fn, *args, initial_state=None, **kwargs):
     """fn(*args, initial_state=..., **kwargs), whose last output is the final state, for an
     initial state that is or holds `StateSlot`s (a state NamedTuple may have some fields in place):
@@ -62,6 +66,8 @@ def through_slot(fn, *args, initial_state=None, **kwargs):
         return fn(*args, initial_state=initial_state, **kwargs)
     read = jax.tree.map(lambda x: x.read() if _is_slot(x) else x, initial_state, is_leaf=_is_slot)
     *out, state = fn(*args, initial_state=read, **kwargs)
+    if state is None:
+        raise ValueError(STATE_SLOT_KEEPS_ITS_STATE)
     return (*out, jax.tree.map(lambda x, new: x.write(new) if _is_slot(x) else new, initial_state, state,
                                is_leaf=_is_slot))
 

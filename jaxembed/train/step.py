@@ -233,5 +233,8 @@ def train_step(state: TrainState, base, batch, *, sc: StepConfig, optimizer, lr_
     loss, grads = loss_and_grads(state.adapters, base, batch, sc, sub_batch_sharding, plan, row_sharding)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.adapters)
     adapters = optax.apply_updates(state.adapters, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr_schedule(state.step)}
+    # param_norm: the updated params' norm, so that an update that blows them up (finite but past
+    # ~1e19, where the norm's squares overflow) is seen on the step that made it, not one step later
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "param_norm": optax.global_norm(adapters),
+               "lr": lr_schedule(state.step)}
     return TrainState(state.step + 1, adapters, opt_state, state.rng), metrics

@@ -394,20 +394,25 @@ class Trainer:
         return row
 
     def _check_finite(self, rows: list[dict]) -> None:
-        """Stop at the first step whose loss or gradient norm is not finite. Called before any later
-        checkpoint is written: the parameters it produced (NaN under AdamW from then on) are never
-        saved, and a rerun resumes from the last good checkpoint."""
+        """Stop at the first step whose loss, gradient norm or updated parameters' norm is not finite.
+        Called before any later checkpoint is written: the parameters it produced are never saved,
+        and every saved checkpoint holds finite parameters of norm below ~1e19 (the norm's squares
+        overflow past that), from which a rerun resumes."""
+        watched = ("loss", "grad_norm", "param_norm")
         for row in rows:
-            if all(math.isfinite(row[k]) for k in ("loss", "grad_norm")):
+            bad = [name for name in watched if not math.isfinite(row[name])]
+            if not bad:
                 continue
+            values = ", ".join(f"{name.replace('_', ' ')} {row[name]:.4g}" for name in watched)
+            cause = ("the step's update made the parameters overflow" if bad == ["param_norm"]
+                     else f"non-finite {' and '.join(name.replace('_', ' ') for name in bad)}")
             latest = self.manager.latest_step()
-            saved = (f"the checkpoint of step {latest} is intact, and a rerun resumes from it" if latest is not None
-                     else "no checkpoint was written before it")
+            saved = (f"the checkpoint of step {latest} holds finite parameters, and a rerun resumes from it"
+                     if latest is not None else "no checkpoint was written before it")
             raise TrainingDivergedError(
-                f"training diverged at step {row['step']}: loss {row['loss']}, gradient norm {row['grad_norm']} "
-                f"(learning rate {row['lr']:.3g}). Its parameters are not saved; {saved}. Lower "
-                f"train.learning_rate, lengthen train.warmup_steps, or train in float32 (model.dtype) to see "
-                f"whether bf16 overflows")
+                f"training diverged at step {row['step']}: {cause} ({values}; learning rate {row['lr']:.3g}). Its "
+                f"parameters are not saved; {saved}. Lower train.learning_rate, lengthen train.warmup_steps, or "
+                f"train in float32 (model.dtype) to see whether bf16 overflows")
 
     def _rows(self, pending, window_start: float, input_wait_s: float) -> list[dict]:
         """Log rows of the steps in `pending` [(step, batch, device metrics, truncated so far)], their
