@@ -247,6 +247,9 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
         extra_specs = [pl.BlockSpec((None, segments - 1, None), lambda i, j, k, s: (i, 0, j)),
                        pl.BlockSpec((None, None, segments - 1, pb, N), lambda i, j, k, s: (i, j, 0, k, 0))]
         extra_args = [segment_decay, seg_states]
+    # y time-major with the heads as column blocks [b, T, h*P], the layout of the gated norm that
+    # reads it: written [b, T, h, P], XLA converted it to float32 in a pass of its own before the
+    # norm (1.5 GB per Codestral layer at 32k tokens; benchmarks/gpu_program.py)
     y_spec = pl.BlockSpec((None, T, pb), lambda i, j, k, s: (i, 0, j * vb + k))
     y_shape = jax.ShapeDtypeStruct((b, T, h * P), x3.dtype)
     if final_state:
@@ -260,9 +263,6 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
         grid=(b, h, vb, segments),
         in_specs=[x_spec, per_head, per_head, per_head, B_spec, C_spec,
                   pl.BlockSpec((None, pb), lambda i, j, k, s: (j, k)), *state_specs, *conv_specs, *extra_specs],
-        # y time-major with the heads as column blocks [b, T, h*P], the layout of the gated norm that
-        # reads it: written [b, T, h, P], XLA converted it to float32 in a pass of its own before the
-        # norm (1.5 GB per Codestral layer at 32k tokens; benchmarks/gpu_program.py)
         out_specs=out_specs, out_shape=out_shape,
         blocks=blocks, interpret=interpret, name="ssd_chunked", input_output_aliases={7: 1} if in_place else None,
     )(x3, dt, a_cum, a_to_end, B3, C3, Dp, *state_args, *conv_args, *extra_args)

@@ -143,9 +143,9 @@ def backward(x, dt, A, B, C, D, dt_bias, state, dy, d_state, *, dt_limit, chunk,
              heads_per_program: int | None = None):
     """Cotangents of (x, dt, A, B, C, D, dt_bias, state) for `ops.ssd.chunked`'s (y, final state)
     given theirs (dy, d_state): shapes and dtypes as the inputs; a None state or d_state is zero,
-    and a None state gets None for its cotangent. One chunk layout of `chunk`
-    tokens; t <= MAX_CHUNKS * chunk. `heads_per_program` (default: `choose_heads_per_program`)
-    must divide the heads of a group."""
+    and a None state gets None for its cotangent. One chunk layout of `chunk` tokens; t <=
+    MAX_CHUNKS * chunk. `heads_per_program` (default: `choose_heads_per_program`) must divide the
+    heads of a group."""
     b, t, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     r = h // g

@@ -295,8 +295,7 @@ def causal_conv(xbc, conv_state, weight, bias, out_dtype=F32):
     Returns (out [b, t, c] in out_dtype, computed in float32; new conv state float32).
     The backward is written out (`_conv_silu_bwd`).
     """
-    zero_bias = bias is None
-    bias = jnp.zeros(weight.shape[1:], F32) if zero_bias else bias
+    bias = jnp.zeros(weight.shape[1:], F32) if bias is None else bias
     out = _conv_silu(xbc, conv_state, weight, bias, jnp.dtype(out_dtype))
     return out, conv_state_after(xbc, conv_state)
 
