@@ -17,7 +17,7 @@ from jaxembed.config import config_from_dict
 from jaxembed.errors import ConversionError
 
 MANIFEST = "jaxembed.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: Mamba2's in_proj is two params, z_proj and xbcdt_proj (1 is read and split)
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json",
@@ -216,7 +216,8 @@ def load(directory, *, verify: bool = True):
     directory = Path(directory).expanduser().absolute()
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
-        if manifest.get("format_version") != FORMAT_VERSION:
+        version = manifest.get("format_version")
+        if version not in (1, FORMAT_VERSION):
             raise ConversionError(f"unsupported format_version {manifest.get('format_version')!r}")
         config = config_from_dict(manifest["config"])
         settings = manifest.get("embedder") or {}
@@ -247,22 +248,38 @@ def load(directory, *, verify: bool = True):
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConversionError(f"{directory / 'params'}: the checkpoint is damaged or incomplete, it could not be "
                               f"read ({type(err).__name__}: {first[:200]})") from None
-    problems = _shape_problems(params, models.family(config).param_shapes(config))
-    if problems:
-        raise ConversionError(f"{directory}: params do not match {MANIFEST}'s config:\n  " + "\n  ".join(problems))
     recorded = checksums.get("tensors")
-    if recorded is None:
-        warnings.warn(f"{directory}: no checksums in {MANIFEST} (written by an older jaxembed); its integrity "
-                      "cannot be checked; convert it again to add them", stacklevel=2)
-        return config, params, settings, None
-    if verify and not checksums.get("files"):  # no file checksums to have checked: check the tensors
+    if recorded is not None and verify and not checksums.get("files"):  # no file checksums checked: the tensors
         actual = tensor_checksums(params)
         bad = [name for name in sorted(set(recorded) | set(actual)) if recorded.get(name) != actual.get(name)]
         if bad:
             raise ConversionError(f"{directory}: the checkpoint is corrupt: {len(bad)} tensor(s) differ from the "
                                   f"checksums recorded when it was written: {', '.join(bad[:6])}"
                                   + (" ..." if len(bad) > 6 else ""))
+    params = _upgrade(config, params, version)
+    problems = _shape_problems(params, models.family(config).param_shapes(config))
+    if problems:
+        raise ConversionError(f"{directory}: params do not match {MANIFEST}'s config:\n  " + "\n  ".join(problems))
+    if recorded is None:
+        warnings.warn(f"{directory}: no checksums in {MANIFEST} (written by an older jaxembed); its integrity "
+                      "cannot be checked; convert it again to add them", stacklevel=2)
+        return config, params, settings, None
+    # the identity is the stored tensors', so a format-1 checkpoint keeps its fingerprint (and its caches)
     return config, params, settings, fingerprint(config, recorded)
+
+
+def _upgrade(config, params, version: int):
+    """Params stored in format `version`, laid out as this format lays them out."""
+    if version < 2 and config.architecture == "mamba2":
+        layers, e = dict(params["layers"]), config.d_inner
+        for suffix in ("", "_bias"):
+            fused = layers.pop("in_proj" + suffix, None)
+            if fused is not None and fused.shape[-1] == config.d_in_proj:  # else the shape check names it
+                layers["z_proj" + suffix], layers["xbcdt_proj" + suffix] = fused[..., :e], fused[..., e:]
+            elif fused is not None:
+                layers["in_proj" + suffix] = fused
+        params = {**params, "layers": layers}
+    return params
 
 
 def _verify_files(directory: Path, recorded: dict[str, str]) -> None:

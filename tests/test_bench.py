@@ -149,7 +149,7 @@ def test_device_params_have_the_family_shapes_and_keep_decays_float32():
         jax.tree_util.keystr(k): tuple(v) for k, v in jax.tree_util.tree_flatten_with_path(
             shapes, is_leaf=lambda x: isinstance(x, tuple))[0]}
     layers = params["layers"]
-    assert layers["in_proj"].dtype == jnp.bfloat16 and params["embedding"].dtype == jnp.bfloat16
+    assert layers["xbcdt_proj"].dtype == jnp.bfloat16 and params["embedding"].dtype == jnp.bfloat16
     assert all(layers[k].dtype == jnp.float32 for k in ("A_log", "dt_bias", "D"))
-    assert float(jnp.std(layers["in_proj"][0].astype(jnp.float32))) > 0
-    assert bool(jnp.all(layers["in_proj"][0] == layers["in_proj"][2]))
+    assert float(jnp.std(layers["xbcdt_proj"][0].astype(jnp.float32))) > 0
+    assert bool(jnp.all(layers["xbcdt_proj"][0] == layers["xbcdt_proj"][2]))

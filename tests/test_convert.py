@@ -35,7 +35,7 @@ def test_convert_to_bfloat16_keeps_decays_float32(hf_model_dir, tmp_path):
     assert main(["convert", str(src), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
     emb = jaxembed.load(tmp_path / "bf16")
     layers = emb.params["layers"]
-    assert layers["in_proj"].dtype == np.dtype("bfloat16") and layers["out_proj"].dtype == np.dtype("bfloat16")
+    assert layers["xbcdt_proj"].dtype == np.dtype("bfloat16") and layers["out_proj"].dtype == np.dtype("bfloat16")
     assert layers["A_log"].dtype == layers["dt_bias"].dtype == layers["D"].dtype == np.float32
     manifest = json.loads((tmp_path / "bf16" / "jaxembed.json").read_text())
     assert manifest["config"]["architecture"] == "mamba2" and "transformers layout" in manifest["source"]
@@ -117,8 +117,30 @@ def test_converted_directory_is_checked_on_load(hf_model_dir, tmp_path):
     manifest = json.loads((dst / "jaxembed.json").read_text())
     manifest["config"]["d_model"] = 32
     (dst / "jaxembed.json").write_text(json.dumps(manifest))
-    with pytest.raises(ConversionError, match=r"layers/in_proj: shape \(2, 64, .*\), expected \(2, 32,"):
+    with pytest.raises(ConversionError, match=r"layers/xbcdt_proj: shape \(2, 64, .*\), expected \(2, 32,"):
         jaxembed.load(dst)
+
+
+def test_a_format_1_checkpoint_loads_with_in_proj_split(hf_model_dir, tmp_path, monkeypatch):
+    """Format 1 stored mamba_ssm's fused in_proj [d, z | xBC | dt]; it loads as the two params
+    format 2 converts it to, bit for bit, with the identity its tensors had."""
+    from jaxembed import checkpoint
+
+    src, _ = hf_model_dir
+    assert main(["convert", str(src), str(tmp_path / "now")]) == 0
+    cfg, params, settings, _ = checkpoint.load(tmp_path / "now")
+    layers = dict(params["layers"])
+    layers["in_proj"] = np.concatenate([layers.pop("z_proj"), layers.pop("xbcdt_proj")], axis=-1)
+    old = {**params, "layers": layers}
+    monkeypatch.setattr(checkpoint, "FORMAT_VERSION", 1)
+    checkpoint.save(tmp_path / "v1", cfg, old, embedder=settings)
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "v1" / "jaxembed.json").read_text())["format_version"] == 1
+    _, loaded, _, identity = checkpoint.load(tmp_path / "v1")
+    assert identity == checkpoint.fingerprint(cfg, checkpoint.tensor_checksums(old))
+    assert jaxembed.load(tmp_path / "v1").params["layers"].keys() == params["layers"].keys()
+    for name, leaf in params["layers"].items():
+        np.testing.assert_array_equal(np.asarray(loaded["layers"][name]), np.asarray(leaf), err_msg=name)
 
 
 def test_convert_rejects_bad_arguments_before_reading(hf_model_dir, tmp_path, capsys):

@@ -95,7 +95,8 @@ def test_a_checkpoint_records_a_checksum_per_tensor_and_an_identity(saved, tmp_p
 
     manifest = json.loads((saved["mamba2"] / checkpoint.MANIFEST).read_text())
     tensors = manifest["checksums"]["tensors"]
-    assert manifest["checksums"]["algorithm"] == "xxh3_128" and "layers/in_proj" in tensors and "embedding" in tensors
+    assert manifest["checksums"]["algorithm"] == "xxh3_128"
+    assert "layers/xbcdt_proj" in tensors and "embedding" in tensors
     cfg, _, _, ident = checkpoint.load(saved["mamba2"])
     again = _save(tmp_path / "again", "mamba2", seed=0)
     other = _save(tmp_path / "other", "mamba2", seed=5)
@@ -312,4 +313,4 @@ def test_load_takes_numpy_and_jax_dtypes(saved):
     import jaxembed
 
     for dtype in (jnp.bfloat16, np.float32, "bfloat16"):
-        assert jaxembed.load(saved["mamba2"], dtype=dtype).params["layers"]["in_proj"].dtype == jnp.dtype(dtype)
+        assert jaxembed.load(saved["mamba2"], dtype=dtype).params["layers"]["xbcdt_proj"].dtype == jnp.dtype(dtype)

@@ -250,7 +250,7 @@ def _conv_then_recurrence(proj, conv_state, w, bias, A, D, dt_bias, s0, *, offse
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_ssd_convolving_raw_x_in_the_kernel_matches_the_recurrence(dtype):
-    """`conv_chunked`, the kernel reading raw x straight out of in_proj's output [z | xBC | dt] and
+    """`conv_chunked`, the kernel reading raw x straight out of a projection [z | xBC | dt] and
     convolving it per chunk (conv state ‖ first tokens in a head block, last tokens in a tail
     block), against the conv and the recurrence written out here: from a random conv and SSD
     state, lengths shorter than a chunk, odd and whole, in 1 to 4 sequence segments."""
@@ -539,16 +539,16 @@ def test_mlstm_memory_slot_is_read_and_written_in_its_stack(backend):
 
 def test_conv_ssd_reads_the_projection_in_place_at_codestral_shapes():
     """The layer's call at Codestral Mamba 7B's dims, lowered for CUDA from shapes: the kernel's x
-    operand is in_proj's output itself, unpadded at an odd length (no copy of it and no conv output
+    operand is xbcdt_proj's output itself, unpadded at an odd length (no copy of it and no conv output
     of x in between), in one kernel at batch 8 and two (segment end states first) at batch 1."""
     from jaxembed.kernels import ssd as k_ssd
 
     h, p, g, n = 128, 64, 8, 128
-    width, conv_dim = 2 * h * p + 2 * g * n + h, h * p + 2 * g * n
+    width, conv_dim = h * p + 2 * g * n + h, h * p + 2 * g * n
     S = jax.ShapeDtypeStruct
     for b, t, kernel_calls in ((8, 4099, 1), (1, 4096, 2)):
         lowered = jax.jit(lambda proj, cs, w, bias, A, D: k_ssd.conv_chunked(
-            proj, A, cs, w, bias, offset=h * p, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=256, D=D,
+            proj, A, cs, w, bias, offset=0, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=256, D=D,
             dt_bias=D)).trace(S((b, t, width), jnp.bfloat16), S((b, 3, conv_dim), jnp.float32),
                               S((4, conv_dim), jnp.bfloat16), S((conv_dim,), jnp.bfloat16), S((h,), jnp.float32),
                               S((h,), jnp.float32)).lower(lowering_platforms=("cuda",))
@@ -559,7 +559,7 @@ def test_conv_ssd_reads_the_projection_in_place_at_codestral_shapes():
     # a StateSlot at batch 8 (one segment): the kernel takes the whole stack of 3 layers' states and
     # its final-state result aliases it, with no slice of the stack around the call
     lowered = jax.jit(lambda proj, cs, w, bias, A, D, stack, layer: k_ssd.conv_chunked(
-        proj, A, cs, w, bias, offset=h * p, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=256, D=D,
+        proj, A, cs, w, bias, offset=0, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=256, D=D,
         dt_bias=D, initial_state=StateSlot(stack, layer))[2].stacked).trace(
         S((8, 4096, width), jnp.bfloat16), S((8, 3, conv_dim), jnp.float32), S((4, conv_dim), jnp.bfloat16),
         S((conv_dim,), jnp.bfloat16), S((h,), jnp.float32), S((h,), jnp.float32), S((3, 8, h, p, n), jnp.float32),

@@ -92,7 +92,7 @@ def test_codestral_layout(tmp_path):
 def test_bfloat16_close_to_float32_reference(hf_model_dir):
     path, model = hf_model_dir
     emb = jaxembed.load(path, dtype="bfloat16")
-    assert emb.params["layers"]["in_proj"].dtype == np.dtype("bfloat16")
+    assert emb.params["layers"]["xbcdt_proj"].dtype == np.dtype("bfloat16")
     assert emb.params["layers"]["A_log"].dtype == np.float32  # decays stay float32
     seqs = random_seqs(model.config.vocab_size, (9, 45), seed=5)
     out = emb.encode_ids(seqs, normalize_embeddings=False, vertical_chunk_size=16, batch_size=2)
@@ -149,4 +149,4 @@ def test_training_gradients_match_pytorch_autograd(hf_model_dir):
             out = leaf[i] if rule.stacked else leaf
             assert rel_err(out, ref) < TOLERANCE["float32"], (rule.path, i, rel_err(out, ref))
             checked += 1
-    assert checked == 2 + 9 * emb.config.n_layers  # embedding, norm_f and the 9 tensors of every layer
+    assert checked == 2 + 10 * emb.config.n_layers  # embedding, norm_f and the 10 tensors of every layer

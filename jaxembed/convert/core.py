@@ -52,6 +52,26 @@ CONV1D_DEPTHWISE = Hook(
 )
 
 
+def fused_rows(fused: str, part: str, start: int, size: int, total: int, *, weight: bool) -> Hook:
+    """Rows [start, start+size) of a fused torch Linear's weight [total, d] (transposed to [d, size])
+    or bias [total]; the exporter puts a key's parts back together by their `rows`."""
+    if weight:
+        return Hook(
+            f"{fused}[{start}:{start + size}]ᵀ ({part})",
+            lambda s: (s[1], size) if len(s) == 2 and s[0] == total else (f"not [{total}, d]:", *s),
+            lambda a: a[start : start + size].T.copy(),
+            lambda a: np.ascontiguousarray(a.T),
+            rows=(start, size, total),
+        )
+    return Hook(
+        f"{fused}[{start}:{start + size}] ({part})",
+        lambda s: (size,) if tuple(s) == (total,) else (f"not [{total}]:", *s),
+        lambda a: a[start : start + size].copy(),
+        lambda a: a,
+        rows=(start, size, total),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """params[path] <- hook(checkpoint[key]); `{i}` in key is the layer index for stacked layer params."""

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 from jaxembed.config import Mamba2Config
-from jaxembed.convert.core import CONV1D_DEPTHWISE, TRANSPOSE, ExportLayout, Hook, Rule
+from jaxembed.convert.core import CONV1D_DEPTHWISE, TRANSPOSE, ExportLayout, Hook, Rule, fused_rows
 from jaxembed.convert.sources import ConversionError, read_json
 
 EXPECTS = ("Mamba2: a transformers config.json (model_type mamba2), a mamba_ssm config.json "
@@ -31,8 +31,6 @@ RULES = [
     Rule("norm_f", "norm_f.weight"),
     Rule("lm_head", "lm_head.weight", optional=True),  # embedders never use it; kept when untied
     Rule("layers/norm", LAYER + "norm.weight"),
-    Rule("layers/in_proj", MIXER + "in_proj.weight", TRANSPOSE),
-    Rule("layers/in_proj_bias", MIXER + "in_proj.bias"),
     Rule("layers/conv_weight", MIXER + "conv1d.weight", CONV1D_DEPTHWISE),
     Rule("layers/conv_bias", MIXER + "conv1d.bias"),
     Rule("layers/dt_bias", MIXER + "dt_bias"),
@@ -47,16 +45,28 @@ RULES = [
 RENAMES = [(r"^model\.", ""), (r"^backbone\.", ""), (r"^embeddings\.", "embedding.")]
 
 
+def _in_proj_rules(cfg: Mamba2Config) -> list[Rule]:
+    """mamba_ssm's in_proj [z; x, B, C, dt] as our two matrices, z_proj and xbcdt_proj."""
+    total = cfg.d_in_proj
+    return [
+        Rule(f"layers/{name}{suffix}", MIXER + "in_proj." + key,
+             fused_rows("in_proj", name, start, size, total, weight=key == "weight"))
+        for name, start, size in (("z_proj", 0, cfg.d_inner), ("xbcdt_proj", cfg.d_inner, cfg.d_xbcdt))
+        for suffix, key in (("", "weight"), ("_bias", "bias"))
+    ]
+
+
 def rules_for(cfg: Mamba2Config) -> list[Rule]:
+    rules = RULES + _in_proj_rules(cfg)
     if not cfg.d_has_hdim:
-        return RULES
+        return rules
     d_by_head = Hook(
         "D_by_head",
         lambda s: (cfg.n_heads, cfg.head_dim) if s == (cfg.d_inner,) else s,
         lambda a: a.reshape(cfg.n_heads, cfg.head_dim),
         lambda a: a.reshape(cfg.d_inner),
     )
-    return [Rule(r.path, r.key, d_by_head) if r.path == "layers/D" else r for r in RULES]
+    return [Rule(r.path, r.key, d_by_head) if r.path == "layers/D" else r for r in rules]
 
 
 def ignored_keys(cfg: Mamba2Config) -> list[str]:

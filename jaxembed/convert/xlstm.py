@@ -18,10 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from jaxembed.config import ConfigError
-from jaxembed.convert.core import TRANSPOSE, ExportLayout, Hook, Rule
+from jaxembed.convert.core import TRANSPOSE, ExportLayout, Rule, fused_rows
 from jaxembed.convert.sources import ConversionError, read_json
 from jaxembed.models.xlstm import XLSTMConfig
 
@@ -62,26 +60,6 @@ SINGLE = [
 ]
 
 
-def _rows(fused: str, part: str, start: int, size: int, total: int, *, weight: bool) -> Hook:
-    """Rows [start, start+size) of a fused torch Linear's weight [total, d] (transposed to [d, size])
-    or bias [total]."""
-    if weight:
-        return Hook(
-            f"{fused}[{start}:{start + size}]ᵀ ({part})",
-            lambda s: (s[1], size) if len(s) == 2 and s[0] == total else (f"not [{total}, d]:", *s),
-            lambda a: a[start : start + size].T.copy(),
-            lambda a: np.ascontiguousarray(a.T),
-            rows=(start, size, total),
-        )
-    return Hook(
-        f"{fused}[{start}:{start + size}] ({part})",
-        lambda s: (size,) if tuple(s) == (total,) else (f"not [{total}]:", *s),
-        lambda a: a[start : start + size].copy(),
-        lambda a: a,
-        rows=(start, size, total),
-    )
-
-
 def _fused_rules(cfg: XLSTMConfig) -> list[Rule]:
     """weight_mode "fused": qkv_opreact = [q; k; v; o], ifgate_preact = [i; f], proj_up_gate_z = [gate; up]
     (the row splits of transformers' torch.tensor_split calls)."""
@@ -96,10 +74,9 @@ def _fused_rules(cfg: XLSTMConfig) -> list[Rule]:
         total = sum(size for _, _, size in parts)
         fused = key.rsplit(".", 1)[-1]
         for name, start, size in parts:
-            rules.append(Rule(f"layers/{name}", key + ".weight", _rows(fused, name, start, size, total, weight=True)))
-            rules.append(
-                Rule(f"layers/{name}_bias", key + ".bias", _rows(fused, name, start, size, total, weight=False))
-            )
+            for suffix, key_suffix in (("", ".weight"), ("_bias", ".bias")):
+                hook = fused_rows(fused, name, start, size, total, weight=key_suffix == ".weight")
+                rules.append(Rule(f"layers/{name}{suffix}", key + key_suffix, hook))
     return rules
 
 

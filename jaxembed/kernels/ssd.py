@@ -48,7 +48,7 @@ def _state_step(S, x, Bc, dt, a_cum, a_to_end):
 
 
 class XConv(NamedTuple):
-    """Static layout of x read raw (before the causal conv) out of in_proj's output: `taps` conv
+    """Static layout of x read raw (before the causal conv) out of the projection's output: `taps` conv
     taps; `full` chunks lie wholly within the real tokens. Chunks 1 to full - 1 are read raw and
     convolved in the kernel. Chunk 0 (whose window reaches into the conv state) and the partial
     chunk past the last whole one come convolved by XLA, as the head and tail blocks of one chunk
@@ -169,8 +169,8 @@ def _segment_state_kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, *refs, 
 
 def _per_head_decays(dt, A, dt_bias, *, dt_limit, L: int, T: int, segments: int):
     """dt [b, t, h] -> (dt, a_cum, a_to_end), each [b, T, h] float32, kept time-major like the
-    in_proj output they come from (a [b, h, T] layout here would make XLA lay the whole in_proj
-    output out feature-major and transpose every activation around the kernel), and the log decay
+    projection they come from (a [b, h, T] layout here would make XLA lay the whole projection
+    out feature-major and transpose every activation around the kernel), and the log decay
     of each segment but the last [b, segments - 1, h] (None for one segment)."""
     b, _, h = dt.shape
     # padding tokens have dt = 0: no decay, no input; the final state is that of the last real token
@@ -405,7 +405,7 @@ def _forward_conv(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state
                                 dt_limit=dt_limit, blocks=blocks, interpret=interpret, final_state=final_state)
         return y, new_conv_state, state
     # B and C (2*g*n columns, read by every head of their group) are convolved here by XLA; x (h*p
-    # columns, each read by one program) is convolved in the kernel, straight from in_proj's output
+    # columns, each read by one program) is convolved in the kernel, straight from the projection
     bc, _ = ref.causal_conv(xbc[..., e:], conv_state[..., e:], conv_weight[:, e:], conv_bias[e:], out_dtype=proj.dtype)
     raw_x, x_weight, x_bias = xbc[..., :e], conv_weight[:, :e], conv_bias[:e]
     # chunk 0 and the partial chunk past the last whole one (when there is one), convolved here:
@@ -449,7 +449,7 @@ def _differentiable_conv(chunk_size, offset, dims, dt_limit, blocks, interpret, 
 def conv_chunked(proj, A, conv_state, conv_weight, conv_bias, *, offset: int, heads: int, head_dim: int, groups: int,
                  state_size: int, chunk_size, D=None, dt_bias=None, dt_limit=(0.0, math.inf), initial_state=None,
                  final_state: bool = True, blocks: common.BlockSizes | None = None, interpret: bool = False):
-    """`ops.ssd.conv_chunked` computed by the Pallas kernel: in_proj's output proj [b, t, offset +
+    """`ops.ssd.conv_chunked` computed by the Pallas kernel: the projection's output proj [b, t, offset +
     conv_dim + h] -> (y [b, t, h, p], new conv state, final SSD state). x is read raw out of proj and
     convolved per chunk in the kernel (`XConv`; a conv state enters it in proj's dtype, exact for
     the states a model carries, which are earlier rows of proj); B and C are convolved by XLA. A

@@ -4,7 +4,8 @@ params = {
   "embedding": [vocab, d],
   "layers": {                              # every leaf has a leading [n_layers] axis
     "norm": [d],                           # pre-mixer RMSNorm
-    "in_proj": [d, d_in_proj], "in_proj_bias": [d_in_proj] (use_bias),
+    "z_proj": [d, e], "z_proj_bias": [e] (use_bias),                  # in_proj's z (gate) rows
+    "xbcdt_proj": [d, conv_dim + h], "xbcdt_proj_bias": [conv_dim + h],  # in_proj's x, B, C, dt rows
     "conv_weight": [k, conv_dim], "conv_bias": [conv_dim] (use_conv_bias),
     "dt_bias": [h], "A_log": [h], "D": [h] or [h, p],
     "mixer_norm": [e],                     # grouped gated RMSNorm
@@ -96,8 +97,13 @@ class Mamba2Config:
 
     @property
     def d_in_proj(self) -> int:
-        """in_proj output: z, xBC, dt."""
-        return self.d_inner + self.conv_dim + self.n_heads
+        """mamba_ssm's in_proj output: z, xBC, dt (here two matrices, z_proj and xbcdt_proj)."""
+        return self.d_inner + self.d_xbcdt
+
+    @property
+    def d_xbcdt(self) -> int:
+        """xbcdt_proj's output: x, B, C (the conv's channels), then dt."""
+        return self.conv_dim + self.n_heads
 
     @property
     def hidden_size(self) -> int:
@@ -122,7 +128,8 @@ def param_shapes(cfg: Mamba2Config) -> dict:
     """Shape of every parameter (without the layer axis for layer params); the converter checks against it."""
     layer = {
         "norm": (cfg.d_model,),
-        "in_proj": (cfg.d_model, cfg.d_in_proj),
+        "z_proj": (cfg.d_model, cfg.d_inner),
+        "xbcdt_proj": (cfg.d_model, cfg.d_xbcdt),
         "conv_weight": (cfg.d_conv, cfg.conv_dim),
         "dt_bias": (cfg.n_heads,),
         "A_log": (cfg.n_heads,),
@@ -131,7 +138,8 @@ def param_shapes(cfg: Mamba2Config) -> dict:
         "out_proj": (cfg.d_inner, cfg.d_model),
     }
     if cfg.use_bias:
-        layer["in_proj_bias"] = (cfg.d_in_proj,)
+        layer["z_proj_bias"] = (cfg.d_inner,)
+        layer["xbcdt_proj_bias"] = (cfg.d_xbcdt,)
         layer["out_proj_bias"] = (cfg.d_model,)
     if cfg.use_conv_bias:
         layer["conv_bias"] = (cfg.conv_dim,)
@@ -153,7 +161,10 @@ STATES_IN_PLACE = ("ssm",)  # the SSM state: the SSD kernel reads and writes it 
 
 
 # Layer matrices used as x @ W [d_in, d_out]: the "all linear layers" that LoRA adapts and NF4 quantises.
-LINEAR_PARAMS = ("in_proj", "out_proj")
+# mamba_ssm's in_proj is two of them here: z is computed after the SSD kernel, so it is never live
+# beside the kernel's input and output (`mixer`).
+LINEAR_PARAMS = ("z_proj", "xbcdt_proj", "out_proj")
+FUSED_PARAMS = {"in_proj": ("z_proj", "xbcdt_proj")}  # `lora.targets: [in_proj]` means both
 
 
 def init_params(cfg: Mamba2Config, key: jax.Array, dtype=F32, *, A_init_range=(1.0, 16.0), dt_min=0.001,
@@ -177,9 +188,12 @@ def init_params(cfg: Mamba2Config, key: jax.Array, dtype=F32, *, A_init_range=(1
     dt = jnp.exp(
         jax.random.uniform(next(keys), (L, h), F32) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)
     ).clip(dt_init_floor)
+    # drawn as mamba_ssm's one in_proj and split, so a seed gives the model it gave before the split
+    in_proj = normal((L, cfg.d_model, cfg.d_in_proj), cfg.d_model**-0.5)
     layers = {
         "norm": jnp.ones(shapes["layers"]["norm"], dtype),
-        "in_proj": normal(shapes["layers"]["in_proj"], cfg.d_model**-0.5),
+        "z_proj": in_proj[..., :cfg.d_inner],
+        "xbcdt_proj": in_proj[..., cfg.d_inner:],
         "conv_weight": normal(shapes["layers"]["conv_weight"], cfg.d_conv**-0.5),
         "dt_bias": dt + jnp.log(-jnp.expm1(-dt)),  # inverse softplus
         "A_log": jnp.log(jax.random.uniform(next(keys), (L, h), F32, *map(float, A_init_range))),
@@ -187,7 +201,7 @@ def init_params(cfg: Mamba2Config, key: jax.Array, dtype=F32, *, A_init_range=(1
         "mixer_norm": jnp.ones(shapes["layers"]["mixer_norm"], dtype),
         "out_proj": normal(shapes["layers"]["out_proj"], (cfg.d_inner * cfg.n_layers) ** -0.5),
     }
-    for name in ("in_proj_bias", "out_proj_bias", "conv_bias"):
+    for name in ("z_proj_bias", "xbcdt_proj_bias", "out_proj_bias", "conv_bias"):
         if name in shapes["layers"]:
             layers[name] = jnp.zeros(shapes["layers"][name], dtype)
     params = {
@@ -230,54 +244,52 @@ def rms_norm(x, weight, eps, group_size=None):
     return xf.reshape(x.shape) * weight.astype(F32)
 
 
-def gated_rms_norm(y, source, weight, *, z_offset, eps, group_size, out_dtype):
+def gated_rms_norm(y, z, weight, *, eps, group_size, out_dtype):
     """rms_norm(y ∘ silu(z)) ∘ weight over groups of `group_size` channels, in float32, written in
-    out_dtype (mamba_ssm's RMSNormGated with norm_before_gate=False); z is y's width of columns of
-    `source` (in_proj's output) from z_offset, read there in place.
+    out_dtype (mamba_ssm's RMSNormGated with norm_before_gate=False).
 
     Its backward is written out (`_gated_norm_bwd`): autodiff's gave XLA one float32 y ∘ silu(z)
     shared by the norm's reduction and its elementwise pass, which it wrote to memory and read
     back twice (4 bytes a channel, three times, against 2 for reading y and z again)."""
-    return _gated_norm(y, source, weight, int(z_offset), float(eps), int(group_size), jnp.dtype(out_dtype))
+    return _gated_norm(y, z, weight, float(eps), int(group_size), jnp.dtype(out_dtype))
 
 
-def _gated_norm_terms(y, source, dn, weight, z_offset, group_size):
+def _gated_norm_terms(y, z, dn, weight, group_size):
     """(z, silu(z), sigmoid(z), the gated input grouped [..., groups, group_size], dn ∘ weight
     grouped), all float32."""
-    zf = source[..., z_offset:z_offset + y.shape[-1]].astype(F32)
+    zf = z.astype(F32)
     gate = ssd.silu(zf)
     grouped = (y.astype(F32) * gate).reshape(*y.shape[:-1], -1, group_size)
     dn_w = None if dn is None else (dn.astype(F32) * weight.astype(F32)).reshape(grouped.shape)
     return zf, gate, jax.nn.sigmoid(zf), grouped, dn_w
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _gated_norm(y, source, weight, z_offset, eps, group_size, out_dtype):
-    return _gated_norm_fwd(y, source, weight, z_offset, eps, group_size, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _gated_norm(y, z, weight, eps, group_size, out_dtype):
+    return _gated_norm_fwd(y, z, weight, eps, group_size, out_dtype)[0]
 
 
-def _gated_norm_fwd(y, source, weight, z_offset, eps, group_size, out_dtype):
-    *_, g, _ = _gated_norm_terms(y, source, None, weight, z_offset, group_size)
+def _gated_norm_fwd(y, z, weight, eps, group_size, out_dtype):
+    *_, g, _ = _gated_norm_terms(y, z, None, weight, group_size)
     r = jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
     out = ((g * r).reshape(y.shape) * weight.astype(F32)).astype(out_dtype)
-    return out, (y, source, weight, r)
+    return out, (y, z, weight, r)
 
 
-def _gated_norm_bwd(z_offset, eps, group_size, out_dtype, residuals, dn):
+def _gated_norm_bwd(eps, group_size, out_dtype, residuals, dn):
     # n = g r with r = (mean g² + eps)^-1/2 per group: dg = r (dn w - r² g mean(dn w g))
-    y, source, weight, r = residuals
-    *_, g, dn_w = _gated_norm_terms(y, source, dn, weight, z_offset, group_size)
+    y, z, weight, r = residuals
+    *_, g, dn_w = _gated_norm_terms(y, z, dn, weight, group_size)
     s = jnp.mean(dn_w * g, axis=-1, keepdims=True)
     # the elementwise pass recomputes its terms from y, z and dn (bfloat16) rather than sharing the
     # reduction's float32 ones, which XLA would write out for it
-    y, source, dn = jax.lax.optimization_barrier((y, source, dn))
-    zf, gate, sig, g, dn_w = _gated_norm_terms(y, source, dn, weight, z_offset, group_size)
+    y, z, dn = jax.lax.optimization_barrier((y, z, dn))
+    zf, gate, sig, g, dn_w = _gated_norm_terms(y, z, dn, weight, group_size)
     dg = (r * (dn_w - g * (r * r) * s)).reshape(y.shape)
     dy = (dg * gate).astype(y.dtype)
-    dz = (dg * y.astype(F32) * sig * (1.0 + zf * (1.0 - sig))).astype(source.dtype)
-    pad = [(0, 0)] * (y.ndim - 1) + [(z_offset, source.shape[-1] - z_offset - y.shape[-1])]
+    dz = (dg * y.astype(F32) * sig * (1.0 + zf * (1.0 - sig))).astype(z.dtype)
     dweight = jnp.sum(dn.astype(F32) * (g * r).reshape(y.shape), axis=tuple(range(y.ndim - 1)))
-    return dy, jnp.pad(dz, pad), dweight.astype(weight.dtype)
+    return dy, dz, dweight.astype(weight.dtype)
 
 
 _gated_norm.defvjp(_gated_norm_fwd, _gated_norm_bwd)
@@ -300,24 +312,28 @@ def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, runtime: Runtime, out_
     """
     b, t, _ = u.shape
     e, h = cfg.d_inner, cfg.n_heads
-    zxbcdt = _linear(u, p["in_proj"], p.get("in_proj_bias"), out_dtype=u.dtype)
-    # conv + SiLU + SSD straight from in_proj's output: the Pallas kernel reads x, convolves it per
+    xbcdt = _linear(u, p["xbcdt_proj"], p.get("xbcdt_proj_bias"), out_dtype=u.dtype)
+    # conv + SiLU + SSD straight from the projection: the Pallas kernel reads x, convolves it per
     # chunk and reads B and C (convolved by XLA) as column blocks, so no conv output of x is written
     y, conv_state, ssm_state = kernels.ssd_conv_chunked(
-        zxbcdt, -jnp.exp(p["A_log"].astype(F32)), state.conv, p["conv_weight"], p.get("conv_bias"),
-        offset=e, heads=h, head_dim=cfg.head_dim, groups=cfg.n_groups, state_size=cfg.d_state,
+        xbcdt, -jnp.exp(p["A_log"].astype(F32)), state.conv, p["conv_weight"], p.get("conv_bias"),
+        offset=0, heads=h, head_dim=cfg.head_dim, groups=cfg.n_groups, state_size=cfg.d_state,
         chunk_size=runtime.chunk_size, backend=runtime.kernels, D=p["D"], dt_bias=p["dt_bias"], dt_limit=cfg.dt_limit,
         initial_state=state.ssm, final_state=state.ssm is not None,
     )
-    y = gated_rms_norm(y.reshape(b, t, e), zxbcdt, p["mixer_norm"], z_offset=0, eps=cfg.norm_eps,
-                       group_size=e // cfg.n_groups, out_dtype=u.dtype)
+    # z once y is there (the barrier orders it): z [t, e] is then never live beside the kernel's
+    # input and output, 16 of a Codestral layer's ~85 KB of temporaries a token
+    y, u = jax.lax.optimization_barrier((y.reshape(b, t, e), u))
+    z = _linear(u, p["z_proj"], p.get("z_proj_bias"), out_dtype=u.dtype)
+    y = gated_rms_norm(y, z, p["mixer_norm"], eps=cfg.norm_eps, group_size=e // cfg.n_groups,
+                       out_dtype=u.dtype)
     out = _linear(y, p["out_proj"], p.get("out_proj_bias"), out_dtype=out_dtype or u.dtype)
     return out, State(conv_state, ssm_state)
 
 
 def layer(cfg: Mamba2Config, p: dict, x, state: State, *, runtime: Runtime, index=None):
     """One residual block: x + mixer(norm(x)). x [b, t, d] is the residual stream."""
-    dtype = p["in_proj"].dtype
+    dtype = p["xbcdt_proj"].dtype
     u = rms_norm(x, p["norm"], cfg.norm_eps).astype(dtype)
     residual_dtype = F32 if cfg.residual_in_fp32 else dtype
     out, state = mixer(cfg, p, u, state, runtime=runtime, out_dtype=residual_dtype)

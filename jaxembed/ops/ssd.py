@@ -18,9 +18,10 @@ g groups (heads are grouped as h = g * r, r = heads per group), n state size.
 
 `chunked_xbc` is `chunked` on Mamba2's packed conv output xbc [b, t, h*p + 2*g*n] (x, B and C side
 by side, as the layer produces them): the Pallas kernel reads the three from that one array.
-`conv_chunked` is the Mamba2 mixer between in_proj and the gated norm: the causal conv + SiLU of
-in_proj's raw x, B and C columns, then `chunked_xbc`; the Pallas kernel reads raw x straight out of
-in_proj's output and convolves it per chunk, so the conv output of x is never written.
+`conv_chunked` is the Mamba2 mixer between its input projection (xbcdt_proj) and the gated norm:
+the causal conv + SiLU of the projection's raw x, B and C columns, then `chunked_xbc`; the Pallas
+kernel reads raw x straight out of the projection and convolves it per chunk, so the conv output of
+x is never written.
 
 Decays, segment sums, exponentials and states are float32 whatever the activation dtype; the
 matmuls take the activation dtype and accumulate in float32.
@@ -356,11 +357,11 @@ _conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
 
 
 def split_projection(proj, *, offset: int, heads: int, head_dim: int, groups: int, state_size: int):
-    """in_proj's output [b, t, offset + conv_dim + h] -> (raw xbc [b, t, conv_dim], dt [b, t, h]);
-    the `offset` columns before them (Mamba2's gate z) are not read."""
+    """The input projection's output [b, t, offset + conv_dim + h] -> (raw xbc [b, t, conv_dim],
+    dt [b, t, h]); the `offset` columns before them (mamba_ssm's fused in_proj has z there) are not read."""
     conv_dim = heads * head_dim + 2 * groups * state_size
     if proj.ndim != 3 or proj.shape[2] != offset + conv_dim + heads:
-        raise ValueError(f"expected in_proj's output [b, t, {offset} + {conv_dim} + {heads}] (z, xBC, dt); "
+        raise ValueError(f"expected the projection's output [b, t, {offset} + {conv_dim} + {heads}] (xBC, dt); "
                          f"got {proj.shape}")
     return proj[..., offset : offset + conv_dim], proj[..., offset + conv_dim :]
 
@@ -368,7 +369,7 @@ def split_projection(proj, *, offset: int, heads: int, head_dim: int, groups: in
 def conv_chunked(proj, A, conv_state, conv_weight, conv_bias, *, offset: int, heads: int, head_dim: int,
                  groups: int, state_size: int, chunk_size, D=None, dt_bias=None, dt_limit=(0.0, math.inf),
                  initial_state=None, final_state: bool = True):
-    """The Mamba2 mixer from in_proj's output proj [b, t, offset + conv_dim + h] (raw x, B and C
+    """The Mamba2 mixer from the input projection's output proj [b, t, offset + conv_dim + h] (raw x, B and C
     at column `offset`, then dt) to the SSD output: conv + SiLU of x, B and C (`causal_conv`, its
     output in proj's dtype), then `chunked_xbc`.
     Returns (y [b, t, h, p] in proj's dtype, new conv state float32, final SSD state float32, or

@@ -56,13 +56,14 @@ class LoraConfig:
         linear_params = models.family(config).LINEAR_PARAMS
         if self.targets == "all":
             return tuple(linear_params)
-        unknown = sorted(set(self.targets) - set(linear_params))
-        if not self.targets and self.modules_to_save:
+        targets = _split_fused(config, self.targets)
+        unknown = sorted(set(targets) - set(linear_params))
+        if not targets and self.modules_to_save:
             return ()  # no adapters: the params in modules_to_save train in full (see `full`)
-        if unknown or not self.targets:
+        if unknown or not targets:
             raise ValueError(f"lora targets {unknown or '[]'} are not linear layers of {config.architecture}; "
                              f"choose from {list(linear_params)} or 'all'")
-        return tuple(self.targets)
+        return targets
 
     @classmethod
     def full(cls, params) -> LoraConfig:
@@ -74,7 +75,7 @@ class LoraConfig:
         """modules_to_save as paths into params: ("embedding",) or ("layers", "A_log")."""
         paths = []
         targets = set(self.target_names(config))
-        for name in self.modules_to_save:
+        for name in _split_fused(config, self.modules_to_save):
             if name in targets:
                 raise ValueError(f"lora modules_to_save: {name!r} is also a LoRA target; train it one way")
             if name != "layers" and name in params:
@@ -87,6 +88,13 @@ class LoraConfig:
                     f"lora modules_to_save: {config.architecture} has no param {name!r}; choose from {known}"
                 )
         return tuple(paths)
+
+
+def _split_fused(config, names) -> tuple[str, ...]:
+    """Names as the params they are here: a checkpoint's fused matrix that this family keeps as
+    several params (`FUSED_PARAMS`: Mamba2's in_proj, as PEFT configs name it) stands for all of them."""
+    fused = getattr(models.family(config), "FUSED_PARAMS", {})
+    return tuple(dict.fromkeys(part for name in names for part in fused.get(name, (name,))))
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["base", "a", "b"], meta_fields=["scale"])
