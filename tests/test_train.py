@@ -252,12 +252,34 @@ def test_adapters_start_as_the_base_model_and_remat_changes_nothing():
     fresh = lora_lib.init_adapters(cfg, params, lora, jax.random.key(0))
     ids, lengths = batch["query_ids"], batch["query_len"]
     base = schedule.embed(params, cfg, ids, lengths)
-    adapted = schedule.embed(lora_lib.apply(params, fresh, lora), cfg, ids, lengths, remat=True)
+    adapted = schedule.embed(lora_lib.apply(params, fresh, lora, cfg), cfg, ids, lengths, remat=True)
     np.testing.assert_array_equal(np.asarray(adapted), np.asarray(base))
-    merged = lora_lib.merge(params, trained, lora)
+    merged = lora_lib.merge(params, trained, lora, cfg)
     np.testing.assert_array_equal(merged["embedding"], trained["saved"]["embedding"])
     np.testing.assert_array_equal(merged["layers"]["dt_bias"], trained["saved"]["layers"]["dt_bias"])
     np.testing.assert_array_equal(merged["layers"]["A_log"], params["layers"]["A_log"])
+
+
+def test_lora_on_mamba2_is_one_rank_r_adapter_on_the_fused_in_proj():
+    """PEFT's LoRA on mamba_ssm's in_proj: one A [d, r] and one B [r, e + conv_dim + h] whose columns
+    the two params share out, so the merged [z_proj | xbcdt_proj] is in_proj + s A B (float64 here)."""
+    cfg = Mamba2Config(vocab_size=64, d_model=32, n_layers=2, d_state=8, head_dim=8, n_groups=2, chunk_size=8)
+    params = models.family(cfg).init_params(cfg, jax.random.key(0))
+    lora = lora_lib.LoraConfig(rank=4, alpha=8)
+    adapters = lora_lib.init_adapters(cfg, params, lora, jax.random.key(1))
+    assert list(adapters["layers"]) == ["in_proj", "out_proj"]
+    in_proj = adapters["layers"]["in_proj"]
+    assert in_proj["a"].shape == (2, 32, 4) and in_proj["b"].shape == (2, 4, cfg.d_in_proj)
+    in_proj["b"] = jax.random.normal(jax.random.key(2), in_proj["b"].shape)
+    merged = lora_lib.merge(params, adapters, lora, cfg)
+    fused = np.concatenate([np.asarray(params["layers"][k], np.float64) for k in ("z_proj", "xbcdt_proj")], -1)
+    want = fused + 2.0 * np.asarray(in_proj["a"], np.float64) @ np.asarray(in_proj["b"], np.float64)
+    got = np.concatenate([np.asarray(merged["layers"][k], np.float64) for k in ("z_proj", "xbcdt_proj")], -1)
+    assert rel_err(got, want) < 1e-6
+    # one part alone is an adapter of its own
+    alone = lora_lib.LoraConfig(rank=4, targets=("z_proj",))
+    assert {k: v["b"].shape for k, v in lora_lib.init_adapters(cfg, params, alone, jax.random.key(1))["layers"].items()
+            } == {"z_proj": (2, 4, cfg.d_inner)}
 
 
 def test_lora_config_errors():
@@ -267,7 +289,7 @@ def test_lora_config_errors():
     params = models.family(cfg).init_params(cfg, jax.random.key(0))
     with pytest.raises(ValueError, match="has no param 'embeddings'"):
         lora_lib.LoraConfig(modules_to_save=("embeddings",)).saved_paths(cfg, params)
-    with pytest.raises(ValueError, match="'z_proj' is also a LoRA target"):
+    with pytest.raises(ValueError, match="'z_proj' \\('in_proj' is 'z_proj' and more\\) is also a LoRA target"):
         lora_lib.LoraConfig(modules_to_save=("in_proj",)).saved_paths(cfg, params)
     # mamba_ssm's (and PEFT configs') in_proj is two params here; naming it names both
     assert lora_lib.LoraConfig(targets=("in_proj",)).target_names(cfg) == ("z_proj", "xbcdt_proj")
@@ -386,7 +408,7 @@ def test_full_parameter_training_lowers_the_loss():
     losses, trained = _adam_steps(trained, params, batch, StepConfig(cfg, lora, grad_cache_size=4, remat=True), 6,
                                   check=has_gradient)
     assert losses[-1] < 0.8 * losses[0], losses
-    merged = lora_lib.merge(params, trained, lora)
+    merged = lora_lib.merge(params, trained, lora, cfg)
     assert float(jnp.abs(merged["layers"]["z_proj"] - params["layers"]["z_proj"]).max()) > 0
 
 

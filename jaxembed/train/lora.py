@@ -61,8 +61,9 @@ class LoraConfig:
         if not targets and self.modules_to_save:
             return ()  # no adapters: the params in modules_to_save train in full (see `full`)
         if unknown or not targets:
+            fused = list(getattr(models.family(config), "FUSED_PARAMS", {}))
             raise ValueError(f"lora targets {unknown or '[]'} are not linear layers of {config.architecture}; "
-                             f"choose from {list(linear_params)} or 'all'")
+                             f"choose from {list(linear_params) + fused} or 'all'")
         return targets
 
     @classmethod
@@ -75,19 +76,22 @@ class LoraConfig:
         """modules_to_save as paths into params: ("embedding",) or ("layers", "A_log")."""
         paths = []
         targets = set(self.target_names(config))
-        for name in _split_fused(config, self.modules_to_save):
-            if name in targets:
-                raise ValueError(f"lora modules_to_save: {name!r} is also a LoRA target; train it one way")
-            if name != "layers" and name in params:
-                paths.append((name,))
-            elif name in params["layers"]:
-                paths.append(("layers", name))
-            else:
-                known = sorted([k for k in params if k != "layers"] + list(params["layers"]))
-                raise ValueError(
-                    f"lora modules_to_save: {config.architecture} has no param {name!r}; choose from {known}"
-                )
-        return tuple(paths)
+        for written in self.modules_to_save:
+            for name in _split_fused(config, (written,)):
+                if name in targets:
+                    part = f" ({written!r} is {name!r} and more)" if name != written else ""
+                    raise ValueError(f"lora modules_to_save: {name!r}{part} is also a LoRA target; train it one way")
+                paths.append(self._path(config, params, name))
+        return tuple(dict.fromkeys(paths))
+
+    @staticmethod
+    def _path(config, params, name) -> tuple[str, ...]:
+        if name != "layers" and name in params:
+            return (name,)
+        if name in params["layers"]:
+            return ("layers", name)
+        known = sorted([k for k in params if k != "layers"] + list(params["layers"]))
+        raise ValueError(f"lora modules_to_save: {config.architecture} has no param {name!r}; choose from {known}")
 
 
 def _split_fused(config, names) -> tuple[str, ...]:
@@ -126,13 +130,29 @@ class LoraWeight(DerivedWeight):
         return dot_sum(x, densify(self.base), down, self.b, compute_dtype, out_dtype)
 
 
+def adapter_groups(config, lora: LoraConfig) -> dict[str, tuple[str, ...]]:
+    """{adapter name: the target matrices it adapts}. A checkpoint's fused matrix whose parts are all
+    targets (Mamba2's in_proj: z_proj and xbcdt_proj) gets one adapter, A shared and B's columns
+    split between the parts: PEFT's rank-r adapter on the fused matrix, not one per part."""
+    targets = lora.target_names(config)
+    fused = {f: parts for f, parts in getattr(models.family(config), "FUSED_PARAMS", {}).items()
+             if set(parts) <= set(targets)}
+    groups = {}
+    for name in targets:  # in the targets' order, a group where its first part is
+        group = next((f for f, parts in fused.items() if name in parts), None)
+        groups.setdefault(group or name, fused[group] if group else (name,))
+    return groups
+
+
 def init_adapters(config, params, lora: LoraConfig, key) -> dict:
-    """Fresh float32 adapters for every target matrix of params["layers"]."""
+    """Fresh float32 adapters: A [.., d_in, r] uniform in ±1/√d_in, B [.., r, d_out] zero, one per
+    adapter group (`adapter_groups`; d_out the group's summed widths)."""
     layers = params["layers"]
     out = {}
-    for name, key_n in zip(lora.target_names(config), jax.random.split(key, len(lora.target_names(config))),
-                           strict=True):
-        *lead, d_in, d_out = layers[name].shape
+    groups = adapter_groups(config, lora)
+    for (name, parts), key_n in zip(groups.items(), jax.random.split(key, len(groups)), strict=True):
+        *lead, d_in, _ = layers[parts[0]].shape
+        d_out = sum(layers[part].shape[-1] for part in parts)
         bound = d_in ** -0.5
         out[name] = {
             "a": jax.random.uniform(key_n, (*lead, d_in, lora.rank), F32, -bound, bound),
@@ -153,11 +173,16 @@ def _set(tree: dict, path, value):
     tree[path[-1]] = value
 
 
-def apply(params, adapters, lora: LoraConfig):
+def apply(params, adapters, lora: LoraConfig, config):
     """params with each adapted matrix replaced by a LoraWeight (the models multiply through it)."""
     layers = dict(params["layers"])
+    groups = adapter_groups(config, lora) if adapters["layers"] else {}
     for name, ab in adapters["layers"].items():
-        layers[name] = LoraWeight(layers[name], ab["a"], ab["b"], lora.scale)
+        start = 0  # a fused group's parts each take their columns of B
+        for part in groups[name]:
+            width = layers[part].shape[-1]
+            layers[part] = LoraWeight(layers[part], ab["a"], ab["b"][..., start:start + width], lora.scale)
+            start += width
     params = {**params, "layers": layers}
     saved = adapters.get("saved", {})
     for name, value in saved.get("layers", {}).items():
@@ -168,9 +193,9 @@ def apply(params, adapters, lora: LoraConfig):
     return params
 
 
-def merge(params, adapters, lora: LoraConfig):
+def merge(params, adapters, lora: LoraConfig, config):
     """Dense params with the adapters folded in (NF4 bases dequantised): what `jaxembed.load` reads."""
-    return densify(apply(params, adapters, lora))
+    return densify(apply(params, adapters, lora, config))
 
 
 def quantize_base(config, params, names=None, block_size: int | None = None):

@@ -149,7 +149,7 @@ def _triples(embeddings, b: int):
 def embed_texts(adapters, base, blocks, sc: StepConfig):
     """L2-normalised EOS embeddings [N, d] of the blocks' right-padded ids [n_g, L_g] through the
     adapted model, the blocks' rows one after the other."""
-    params = lora_lib.apply(base, adapters, sc.lora)
+    params = lora_lib.apply(base, adapters, sc.lora, sc.model)
     return jnp.concatenate([schedule.embed(params, sc.model, ids, lengths, vertical_chunk_size=None,
                                            chunk_size=sc.chunk_size, normalize=True, kernels=sc.kernels,
                                            remat=sc.remat) for ids, lengths in blocks])

@@ -364,7 +364,7 @@ class Trainer:
     # ---- evaluation -------------------------------------------------------------------
     def embedder(self) -> Embedder:
         """The model as it is now (adapters applied, not merged), for encoding."""
-        return Embedder(lora_lib.apply(self.base, self.state.adapters, self.lora), self.config,
+        return Embedder(lora_lib.apply(self.base, self.state.adapters, self.lora, self.config), self.config,
                         tokenizer=self.tokenizer, chunk_size=self.chunk_size, query_template=self.query_template,
                         kernels=self.cfg.model.kernels)
 
@@ -518,7 +518,7 @@ class Trainer:
 
         adapters = multihost_utils.process_allgather(self.state.adapters, tiled=True)
         host = lora_lib.merge(jax.tree.map(jnp.asarray, self.stored_params), jax.tree.map(jnp.asarray, adapters),
-                              self.lora)
+                              self.lora, self.config)
         return jax.tree.map(np.asarray, host)
 
     def export(self, directory=None) -> Path | None:
