@@ -260,14 +260,15 @@ def test_ssd_convolving_raw_x_in_the_kernel_matches_the_recurrence(dtype):
     A, D, dt_bias = -jnp.exp(_normal(rng, (h,))), _normal(rng, (h,)), _normal(rng, (h,), 0.5)
     w, bias = _normal(rng, (k, conv_dim), 0.5).astype(dtype), _normal(rng, (conv_dim,), 0.3).astype(dtype)
     tol = KERNEL_TOLERANCE[dtype]
-    for t, segments in ((5, 1), (32, 2), (37, 1), (75, 4)):
-        proj = _normal(rng, (b, t, e + conv_dim + h)).astype(dtype)
+    # offset e: z's columns before x (mamba_ssm's fused in_proj); 0: Mamba2's xbcdt_proj, as the layer calls it
+    for t, segments, offset in ((5, 1, e), (32, 2, 0), (37, 1, 0), (75, 4, e)):
+        proj = _normal(rng, (b, t, offset + conv_dim + h)).astype(dtype)
         conv_state = _normal(rng, (b, k - 1, conv_dim)).astype(dtype).astype(jnp.float32)  # earlier rows of proj
         s0 = _normal(rng, (b, h, p, n))
-        y_ref, conv_ref, s_ref = _conv_then_recurrence(proj, conv_state, w, bias, A, D, dt_bias, s0, offset=e,
+        y_ref, conv_ref, s_ref = _conv_then_recurrence(proj, conv_state, w, bias, A, D, dt_bias, s0, offset=offset,
                                                        h=h, p=p, g=g, n=n)
         y, conv_out, s = kernels.ssd_conv_chunked(
-            proj, A, conv_state, w, bias, offset=e, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8,
+            proj, A, conv_state, w, bias, offset=offset, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8,
             D=D, dt_bias=dt_bias, initial_state=s0, backend="interpret",
             blocks=BlockSizes(chunk=16, value_block=16, segments=segments))
         assert bool(jnp.all(jnp.isfinite(y.astype(jnp.float32)))), t
@@ -329,9 +330,10 @@ def test_ssd_conv_fresh_state_is_neither_read_nor_written():
     b, h, p, g, n, k = 2, 4, 16, 2, 16, 4
     e, conv_dim = h * p, h * p + 2 * g * n
     blocks = BlockSizes(chunk=16, value_block=16)
-    kw = dict(offset=e, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8, dt_limit=(0.05, 2.0))
+    # the training layer's call: xbcdt_proj's output, x from column 0
+    kw = dict(offset=0, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8, dt_limit=(0.05, 2.0))
     for t in (37, 16 * ssd_backward.MAX_CHUNKS + 5):
-        args = (_normal(rng, (b, t, e + conv_dim + h)), -jnp.exp(_normal(rng, (h,))),
+        args = (_normal(rng, (b, t, conv_dim + h)), -jnp.exp(_normal(rng, (h,))),
                 _normal(rng, (b, k - 1, conv_dim)), _normal(rng, (k, conv_dim), 0.5), _normal(rng, (conv_dim,), 0.3),
                 _normal(rng, (h,)), _normal(rng, (h,), 0.5))
 
