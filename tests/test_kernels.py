@@ -328,7 +328,7 @@ def test_ssd_conv_fresh_state_is_neither_read_nor_written():
 
     rng = np.random.default_rng(next(_draws))
     b, h, p, g, n, k = 2, 4, 16, 2, 16, 4
-    e, conv_dim = h * p, h * p + 2 * g * n
+    conv_dim = h * p + 2 * g * n
     blocks = BlockSizes(chunk=16, value_block=16)
     # the training layer's call: xbcdt_proj's output, x from column 0
     kw = dict(offset=0, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8, dt_limit=(0.05, 2.0))

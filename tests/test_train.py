@@ -481,6 +481,15 @@ def test_grad_cache_auto_fits_the_step_in_memory(tmp_path):
                     show_progress=False)
     with pytest.raises(ConfigError, match="checkpoint 2 was written with other training data or tokenization"):
         other.restore()
+    # and with another LoRA rank, before orbax's restore: the leaves whose shapes differ are named
+    rows[5]["positive"] = rows[5]["positive"].removesuffix(" edited")
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rank8 = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=8),
+                                train=dataclasses.replace(cfg.train, grad_cache_size=None))
+    rank8 = Trainer(rank8, show_progress=False)
+    with pytest.raises(ConfigError, match=r"checkpoint 2 holds another training state .* other shapes: "
+                                          r"adapters/layers/in_proj/a \(2, 64, 4\) -> \(2, 64, 8\)"):
+        rank8.restore()
 
 
 def test_a_diverging_run_stops_before_saving_the_step(tmp_path):

@@ -210,6 +210,8 @@ class Trainer:
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint.keep,
                                                  save_interval_steps=cfg.checkpoint.every,
                                                  cleanup_tmp_directories=True),
+            # declared, so that item_metadata can read a checkpoint's state before it is restored
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()},
         )
         self.truncated = 0
         if cfg.tensorboard:
@@ -347,6 +349,7 @@ class Trainer:
             return 0
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
                                 self.state_shardings)
+        self._check_restorable(step, abstract)
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                       data=ocp.args.JsonRestore()))
         position = restored["data"]
@@ -360,6 +363,30 @@ class Trainer:
         self.state = restored["state"]
         self.truncated = position["truncated"]
         return step
+
+    def _check_restorable(self, step: int, abstract) -> None:
+        """The checkpoint's state has this run's leaves and shapes, or a ConfigError names the difference
+        (orbax's own error is a structure dump from inside its restore)."""
+        try:
+            stored = _shapes_by_path(self.manager.item_metadata(step)["state"])
+        except Exception:  # no readable metadata: the restore itself reports what is wrong
+            return
+        if not stored:
+            return
+        wanted = _shapes_by_path(abstract)
+        if stored == wanted:
+            return
+        differences = [(title, names) for title, names in (
+            ("only in the checkpoint", sorted(set(stored) - set(wanted))),
+            ("only in this run", sorted(set(wanted) - set(stored))),
+            ("other shapes", [f"{k} {stored[k]} -> {wanted[k]}" for k in sorted(set(stored) & set(wanted))
+                              if stored[k] != wanted[k]]),
+        ) if names]
+        raise ConfigError(f"{self.cfg.checkpoint.directory}: checkpoint {step} holds another training state than "
+                          "this run's (another model layout, LoRA rank or targets, or lora: null): "
+                          + "; ".join(f"{title}: {', '.join(names[:4])}" + (" ..." if len(names) > 4 else "")
+                                      for title, names in differences)
+                          + ". Use a new checkpoint directory, or the config it was written with")
 
     # ---- evaluation -------------------------------------------------------------------
     def embedder(self) -> Embedder:
@@ -608,3 +635,16 @@ class _Log:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def _shapes_by_path(tree) -> dict[str, tuple]:
+    """{"adapters/layers/in_proj/a": shape, ...}: a pytree's leaves by path, whether it is the live state
+    (NamedTuples, attributes) or orbax's metadata of it (dicts, lists)."""
+    def name(key):
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    return {"/".join(name(k) for k in path): tuple(getattr(leaf, "shape", ()))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
