@@ -109,13 +109,21 @@ def _dot_sum_fwd(x, w, y, v, out_dtype):
 def _dot_sum_bwd(out_dtype, residuals, g):
     x, w, y, v = residuals
     g = g.astype(x.dtype)
-    _, wv = _stacked(x, w, y, v)
-    dxy = jnp.einsum("bte,de->btd", g, wv, preferred_element_type=x.dtype)
-    d = x.shape[-1]
+    d, n = w.shape
+    if n < 2 * d:
+        # dx in a GEMM of its own: XLA adds the LoRA down-projection's dx into it (cuBLAS beta = 1),
+        # which from the joint GEMM's [dx | dy] took a copy of the dx columns first (4 d bytes a token,
+        # against 2 n for reading g twice)
+        dx = jnp.einsum("bte,de->btd", g, w, preferred_element_type=x.dtype)
+        dy = jnp.einsum("bte,de->btd", g, v, preferred_element_type=x.dtype)
+    else:
+        _, wv = _stacked(x, w, y, v)
+        dxy = jnp.einsum("bte,de->btd", g, wv, preferred_element_type=x.dtype)
+        dx, dy = dxy[..., :d], dxy[..., d:]
     # a frozen w's cotangent (LoRA's base) is dropped by the caller, and its GEMM with it
     dw = jnp.einsum("btd,bte->de", x, g, preferred_element_type=w.dtype)
     dv = jnp.einsum("btd,bte->de", y, g, preferred_element_type=v.dtype)
-    return dxy[..., :d], dw, dxy[..., d:], dv
+    return dx, dw, dy, dv
 
 
 _dot_sum.defvjp(_dot_sum_fwd, _dot_sum_bwd)
