@@ -141,6 +141,22 @@ def test_a_format_1_checkpoint_loads_with_in_proj_split(hf_model_dir, tmp_path, 
     assert jaxembed.load(tmp_path / "v1").params["layers"].keys() == params["layers"].keys()
     for name, leaf in params["layers"].items():
         np.testing.assert_array_equal(np.asarray(loaded["layers"][name]), np.asarray(leaf), err_msg=name)
+    # with biases (use_bias): in_proj_bias splits at the same column
+    import jax
+
+    from jaxembed.config import Mamba2Config
+    from jaxembed.models import mamba2
+
+    biased = Mamba2Config(vocab_size=32, d_model=16, n_layers=2, d_state=8, head_dim=8, chunk_size=8, use_bias=True)
+    now = mamba2.init_params(biased, jax.random.key(0))
+    now["layers"] = {k: v + 0.1 * np.arange(v.size).reshape(v.shape) for k, v in now["layers"].items()}
+    fused = dict(now["layers"])
+    for suffix in ("", "_bias"):
+        fused["in_proj" + suffix] = np.concatenate([fused.pop("z_proj" + suffix), fused.pop("xbcdt_proj" + suffix)], -1)
+    upgraded = checkpoint._upgrade(biased, {**now, "layers": fused}, 1)
+    assert upgraded["layers"].keys() == now["layers"].keys()
+    for name, leaf in now["layers"].items():
+        np.testing.assert_array_equal(np.asarray(upgraded["layers"][name]), np.asarray(leaf), err_msg=name)
 
 
 def test_convert_rejects_bad_arguments_before_reading(hf_model_dir, tmp_path, capsys):
