@@ -286,6 +286,30 @@ def test_lora_on_mamba2_is_one_rank_r_adapter_on_the_fused_in_proj():
             } == {"z_proj": (2, 4, cfg.d_inner)}
 
 
+def test_lora_gradients_match_the_merged_dense_model():
+    """The adapters' gradients through the LoRA path (x W + s (x A) B: `weights.dot_sum`, in_proj's
+    one adapter over z_proj and xbcdt_proj) against autodiff of the same embedding through the merged
+    dense weights W + s A B, in float32, every adapter and saved module non-zero."""
+    cfg = Mamba2Config(vocab_size=64, d_model=32, n_layers=2, d_state=8, head_dim=8, n_groups=2, chunk_size=8)
+    params = models.family(cfg).init_params(cfg, jax.random.key(0))
+    lora = lora_lib.LoraConfig(rank=4, alpha=8, modules_to_save=("dt_bias",))
+    adapters = lora_lib.init_adapters(cfg, params, lora, jax.random.key(1))
+    adapters = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape), adapters)
+    rng = np.random.default_rng(3)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 13)), jnp.int32)
+    lengths, weights = jnp.asarray([13, 7, 10]), jnp.asarray(rng.normal(size=(3, cfg.d_model)), jnp.float32)
+
+    def objective(weights_of):
+        return lambda ad: jnp.sum(schedule.embed(weights_of(ad), cfg, ids, lengths, normalize=False) * weights)
+
+    lora_grads = jax.grad(objective(lambda ad: lora_lib.apply(params, ad, lora, cfg)))(adapters)
+    dense_grads = jax.grad(objective(lambda ad: lora_lib.merge(params, ad, lora, cfg)))(adapters)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(lora_grads), jax.tree.leaves(dense_grads),
+                                 strict=True):
+        assert float(jnp.abs(want).max()) > 0, jax.tree_util.keystr(path)
+        assert rel_err(got, want) < 1e-5, (jax.tree_util.keystr(path), rel_err(got, want))
+
+
 def test_lora_config_errors():
     cfg = Mamba2Config(vocab_size=64, d_model=32, n_layers=1, d_state=8, head_dim=8, chunk_size=8)
     with pytest.raises(ValueError, match="not linear layers of mamba2"):
