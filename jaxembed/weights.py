@@ -129,20 +129,33 @@ def _dot_sum_bwd(out_dtype, residuals, g):
 _dot_sum.defvjp(_dot_sum_fwd, _dot_sum_bwd)
 
 
-def linear(x, w, compute_dtype=None, bias=None, out_dtype=F32):
+def linear(x, w, compute_dtype=None, bias=None, out_dtype=F32, *, down=None):
     """x [b, t, d_in] @ w [d_in, d_out] (+ bias) -> [b, t, d_out] in out_dtype (float32 by default).
 
     compute_dtype: the matmul operands' dtype (default: x's). w may be an array or a DerivedWeight.
     out_dtype: the product is accumulated in float32 either way; a bfloat16 out_dtype makes the GEMM
     write bfloat16 (half the bytes), as a PyTorch bfloat16 Linear does.
+    down: `shared_down`'s value for w, when w is one part of a LoRA adapter shared with others.
     """
     compute_dtype = x.dtype if compute_dtype is None else compute_dtype
     if bias is None and not is_derived(w):
         return dot(x, w, compute_dtype, out_dtype)
+    extra = {} if down is None else {"down": down}
     if bias is None:  # a derived weight writes out_dtype itself (under autodiff: a cotangent in out_dtype)
-        return w.matmul(x, compute_dtype, out_dtype)
-    y = w.matmul(x, compute_dtype) if is_derived(w) else dot(x, w, compute_dtype)
+        return w.matmul(x, compute_dtype, out_dtype, **extra)
+    y = w.matmul(x, compute_dtype, **extra) if is_derived(w) else dot(x, w, compute_dtype)
     return (y + bias.astype(F32)).astype(out_dtype)
+
+
+def shared_down(ws, x, compute_dtype=None):
+    """LoRA's down-projection s x A, once for weights that are the parts of one adapter (A shared:
+    Mamba2's z_proj and xbcdt_proj under in_proj's adapter), to pass to each `linear(..., down=)`;
+    None for any other weights. Computed once, x is read once for it, and under autodiff dA and the
+    down-projection's share of dx are one GEMM each for all the parts."""
+    groups = {getattr(w, "adapter_group", None) for w in ws}
+    if len(groups) != 1 or None in groups:
+        return None
+    return ws[0].down(x, x.dtype if compute_dtype is None else compute_dtype)
 
 
 def lm_head(hidden, head):

@@ -302,6 +302,11 @@ def test_lora_gradients_match_the_merged_dense_model():
     def objective(weights_of):
         return lambda ad: jnp.sum(schedule.embed(weights_of(ad), cfg, ids, lengths, normalize=False) * weights)
 
+    # in_proj's down-projection s u A is computed once for both halves (and out_proj's once)
+    program = jax.make_jaxpr(lambda ad: schedule.embed(lora_lib.apply(params, ad, lora, cfg), cfg, ids, lengths))
+    downs = [eqn for eqn in jaxpr_equations(program(adapters).jaxpr)
+             if eqn.primitive.name == "dot_general" and eqn.outvars[0].aval.shape[-1] == lora.rank]
+    assert len(downs) == 2, [eqn.outvars[0].aval.shape for eqn in downs]
     lora_grads = jax.grad(objective(lambda ad: lora_lib.apply(params, ad, lora, cfg)))(adapters)
     dense_grads = jax.grad(objective(lambda ad: lora_lib.merge(params, ad, lora, cfg)))(adapters)
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(lora_grads), jax.tree.leaves(dense_grads),

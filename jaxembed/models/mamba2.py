@@ -295,10 +295,10 @@ def _gated_norm_bwd(eps, group_size, out_dtype, residuals, dn):
 _gated_norm.defvjp(_gated_norm_fwd, _gated_norm_bwd)
 
 
-def _linear(x, w, b=None, out_dtype=F32):
+def _linear(x, w, b=None, out_dtype=F32, down=None):
     """x @ w (+ b) with the operands in x's dtype, accumulated in float32, out in out_dtype; w may be
-    a LoRA/NF4 weight."""
-    return weights.linear(x, w, bias=b, out_dtype=out_dtype)
+    a LoRA/NF4 weight (`down`: its adapter's down-projection, shared with another part)."""
+    return weights.linear(x, w, bias=b, out_dtype=out_dtype, down=down)
 
 
 def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, runtime: Runtime, out_dtype=None):
@@ -312,7 +312,8 @@ def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, runtime: Runtime, out_
     """
     b, t, _ = u.shape
     e, h = cfg.d_inner, cfg.n_heads
-    xbcdt = _linear(u, p["xbcdt_proj"], p.get("xbcdt_proj_bias"), out_dtype=u.dtype)
+    down = weights.shared_down((p["z_proj"], p["xbcdt_proj"]), u)  # in_proj's one LoRA adapter, if any
+    xbcdt = _linear(u, p["xbcdt_proj"], p.get("xbcdt_proj_bias"), out_dtype=u.dtype, down=down)
     # conv + SiLU + SSD straight from the projection: the Pallas kernel reads x, convolves it per
     # chunk and reads B and C (convolved by XLA) as column blocks, so no conv output of x is written
     y, conv_state, ssm_state = kernels.ssd_conv_chunked(
@@ -323,8 +324,8 @@ def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, runtime: Runtime, out_
     )
     # z once y is there (the barrier orders it): z [t, e] is then never live beside the kernel's
     # input and output, 16 of a Codestral layer's ~85 KB of temporaries a token
-    y, u = jax.lax.optimization_barrier((y.reshape(b, t, e), u))
-    z = _linear(u, p["z_proj"], p.get("z_proj_bias"), out_dtype=u.dtype)
+    y, u, down = jax.lax.optimization_barrier((y.reshape(b, t, e), u, down))
+    z = _linear(u, p["z_proj"], p.get("z_proj_bias"), out_dtype=u.dtype, down=down)
     y = gated_rms_norm(y, z, p["mixer_norm"], eps=cfg.norm_eps, group_size=e // cfg.n_groups,
                        out_dtype=u.dtype)
     out = _linear(y, p["out_proj"], p.get("out_proj_bias"), out_dtype=out_dtype or u.dtype)

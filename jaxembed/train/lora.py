@@ -101,7 +101,8 @@ def _split_fused(config, names) -> tuple[str, ...]:
     return tuple(dict.fromkeys(part for name in names for part in fused.get(name, (name,))))
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["base", "a", "b"], meta_fields=["scale"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["base", "a", "b"],
+                   meta_fields=["scale", "adapter_group"])
 @dataclasses.dataclass(frozen=True)
 class LoraWeight(DerivedWeight):
     """base + scale * a @ b, with base [..., d_in, d_out] an array or an NF4Weight."""
@@ -110,6 +111,7 @@ class LoraWeight(DerivedWeight):
     a: jax.Array  # [..., d_in, r] float32
     b: jax.Array  # [..., r, d_out] float32
     scale: float
+    adapter_group: str | None = None  # the fused adapter whose A this shares (`adapter_groups`), if any
 
     @property
     def shape(self):
@@ -123,10 +125,15 @@ class LoraWeight(DerivedWeight):
         base = densify(self.base)
         return (base.astype(F32) + self.scale * jnp.matmul(self.a, self.b)).astype(base.dtype)
 
-    def matmul(self, x, compute_dtype, out_dtype=F32):
+    def down(self, x, compute_dtype):
+        """s x A [b, t, r] float32: the down-projection, which parts of one adapter share."""
+        return self.scale * dot(x, self.a, compute_dtype)
+
+    def matmul(self, x, compute_dtype, out_dtype=F32, down=None):
         """x W + s (x A) B as one GEMM, [x | s x A] @ [W ; B] (`weights.dot_sum`), accumulated in
-        float32 and written once in out_dtype; under autodiff the cotangent stays in compute_dtype."""
-        down = self.scale * dot(x, self.a, compute_dtype)  # [b, t, r] float32
+        float32 and written once in out_dtype; under autodiff the cotangent stays in compute_dtype.
+        `down`: s x A when the caller computed it once for every part of the adapter."""
+        down = self.down(x, compute_dtype) if down is None else down
         return dot_sum(x, densify(self.base), down, self.b, compute_dtype, out_dtype)
 
 
@@ -181,7 +188,8 @@ def apply(params, adapters, lora: LoraConfig, config):
         start = 0  # a fused group's parts each take their columns of B
         for part in groups[name]:
             width = layers[part].shape[-1]
-            layers[part] = LoraWeight(layers[part], ab["a"], ab["b"][..., start:start + width], lora.scale)
+            group = name if len(groups[name]) > 1 else None
+            layers[part] = LoraWeight(layers[part], ab["a"], ab["b"][..., start:start + width], lora.scale, group)
             start += width
     params = {**params, "layers": layers}
     saved = adapters.get("saved", {})
