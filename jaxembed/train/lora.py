@@ -1,13 +1,15 @@
 """LoRA adapters (Hu et al., 2022) on a model's linear layers, as a params-pytree transform.
 
     adapters = init_adapters(config, params, LoraConfig(rank=16, alpha=16), key)
-    adapted = apply(params, adapters, lora)        # LoraWeight leaves where the targets were
-    jaxembed.embed(adapted, config, ids, lengths)  # the models multiply through them
-    dense = merge(params, adapters, lora)          # for export: W + (alpha / r) A B
+    adapted = apply(params, adapters, lora, config)  # LoraWeight leaves where the targets were
+    jaxembed.embed(adapted, config, ids, lengths)    # the models multiply through them
+    dense = merge(params, adapters, lora, config)    # for export: W + (alpha / r) A B
 
 adapters = {"layers": {name: {"a": [n_layers, d_in, r], "b": [n_layers, r, d_out]}}}: the
-trainable leaves. A starts uniform in +-1/sqrt(d_in) (PEFT's kaiming-uniform) and B at zero, so
-the adapted model starts as the base model. The base may be NF4 (`quant.quantize_nf4`).
+trainable leaves, one per target or per fused group of targets (`adapter_groups`: Mamba2's in_proj
+over z_proj and xbcdt_proj, B's columns split between them). A starts uniform in +-1/sqrt(d_in)
+(PEFT's kaiming-uniform) and B at zero, so the adapted model starts as the base model. The base
+may be NF4 (`quant.quantize_nf4`).
 
 `modules_to_save` (PEFT's name) trains whole params beside the adapters, e.g. the token embedding
 of a model trained from random init, where frozen random token vectors leave LoRA little to work
