@@ -161,29 +161,48 @@ def test_dot_sum_is_one_gemm_and_its_backward_against_float64(d, n):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_mamba2_gated_norm_backward_against_float64(dtype):
-    """Mamba2's grouped gated RMSNorm with its written-out backward: the output and the cotangents
-    of y, z and the weight against float64 autodiff of the formula, 2 groups, random weight."""
-    from jaxembed.models.mamba2 import gated_rms_norm
+@pytest.mark.parametrize("adapted", [False, True])
+def test_mamba2_gated_norm_and_out_proj_backward_against_float64(dtype, adapted):
+    """Mamba2's tail, the grouped gated RMSNorm then out_proj (with a bias; as a LoRA weight or a
+    dense one), with its written-out backward: the output and the cotangents of y, z, the norm's
+    weight and every part of out_proj against float64 autodiff of the formula, 2 groups."""
+    from jaxembed.models.mamba2 import gated_norm_project
 
     rng = np.random.default_rng(5)
     dt = jnp.dtype(dtype)
-    y, z = jnp.asarray(rng.normal(size=(2, 5, 32)), dt), jnp.asarray(rng.normal(size=(2, 5, 32)), dt)
-    weight, dn = jnp.asarray(rng.normal(size=(32,)), jnp.float32), jnp.asarray(rng.normal(size=(2, 5, 32)), dt)
 
-    def formula(y, z, weight):
+    def normal(*shape, scale=1.0, dtype=jnp.float32):
+        return jnp.asarray(scale * rng.normal(size=shape), dtype)
+
+    y, z, weight = normal(2, 5, 32, dtype=dt), normal(2, 5, 32, dtype=dt), normal(32)
+    base, bias, d_out = normal(32, 24, scale=0.2, dtype=dt), normal(24, dtype=dt), normal(2, 5, 24)
+    a, b = normal(32, 4, scale=0.3), normal(4, 24, scale=0.3)
+
+    def out_weight(base, a, b):
+        return lora_lib.LoraWeight(base, a, b, 2.0) if adapted else base
+
+    def tail(y, z, weight, base, bias, a, b):
+        return gated_norm_project(y, z, weight, out_weight(base, a, b), bias, eps=1e-5, group_size=16,
+                                  norm_dtype=dt, out_dtype=jnp.float32)
+
+    def formula(y, z, weight, base, bias, a, b):
         g = (y * z / (1 + jnp.exp(-z))).reshape(2, 5, 2, 16)
-        return (g / jnp.sqrt(jnp.mean(g * g, -1, keepdims=True) + 1e-5)).reshape(2, 5, 32) * weight
+        n = (g / jnp.sqrt(jnp.mean(g * g, -1, keepdims=True) + 1e-5)).reshape(2, 5, 32) * weight
+        return n @ (base + 2.0 * a @ b if adapted else base) + bias
 
-    out, vjp = jax.vjp(lambda *a: gated_rms_norm(*a, eps=1e-5, group_size=16, out_dtype=dt), y, z, weight)
+    args = (y, z, weight, base, bias, a, b)
+    out, vjp = jax.vjp(tail, *args)
     with jax.enable_x64(True):
-        want, want_vjp = jax.vjp(formula, *(np.asarray(a, np.float64) for a in (y, z, weight)))
-        wants = [np.asarray(w) for w in want_vjp(np.asarray(dn, np.float64))]
+        want, want_vjp = jax.vjp(formula, *(np.asarray(v, np.float64) for v in args))
+        wants = [np.asarray(w) for w in want_vjp(np.asarray(d_out, np.float64))]
     tol = {"float32": 1e-6, "bfloat16": 8e-3}[dtype]
-    assert out.dtype == dt and rel_err(out, np.asarray(want)) < tol
-    for name, got, w in zip(("y", "z", "weight"), vjp(dn), wants, strict=True):
-        assert got.dtype == {"weight": jnp.float32}.get(name, dt)
-        assert rel_err(got, w) < tol, (name, rel_err(got, w))
+    assert out.dtype == jnp.float32 and rel_err(out, np.asarray(want)) < tol, rel_err(out, np.asarray(want))
+    names = ("y", "z", "weight", "base", "bias", "a", "b")
+    for name, got, w in zip(names, vjp(d_out), wants, strict=True):
+        if name in ("a", "b") and not adapted:
+            continue
+        assert got.dtype == args[names.index(name)].dtype, name
+        assert float(np.abs(w).max()) > 0 and rel_err(got, w) < tol, (name, rel_err(got, w))
 
 
 def test_info_nce_matches_the_paper_equation():

@@ -244,16 +244,6 @@ def rms_norm(x, weight, eps, group_size=None):
     return xf.reshape(x.shape) * weight.astype(F32)
 
 
-def gated_rms_norm(y, z, weight, *, eps, group_size, out_dtype):
-    """rms_norm(y ∘ silu(z)) ∘ weight over groups of `group_size` channels, in float32, written in
-    out_dtype (mamba_ssm's RMSNormGated with norm_before_gate=False).
-
-    Its backward is written out (`_gated_norm_bwd`): autodiff's gave XLA one float32 y ∘ silu(z)
-    shared by the norm's reduction and its elementwise pass, which it wrote to memory and read
-    back twice (4 bytes a channel, three times, against 2 for reading y and z again)."""
-    return _gated_norm(y, z, weight, float(eps), int(group_size), jnp.dtype(out_dtype))
-
-
 def _gated_norm_terms(y, z, dn, weight, group_size):
     """(z, silu(z), sigmoid(z), the gated input grouped [..., groups, group_size], dn ∘ weight
     grouped), all float32."""
@@ -264,35 +254,66 @@ def _gated_norm_terms(y, z, dn, weight, group_size):
     return zf, gate, jax.nn.sigmoid(zf), grouped, dn_w
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _gated_norm(y, z, weight, eps, group_size, out_dtype):
-    return _gated_norm_fwd(y, z, weight, eps, group_size, out_dtype)[0]
-
-
-def _gated_norm_fwd(y, z, weight, eps, group_size, out_dtype):
+def gated_rms_norm(y, z, weight, *, eps, group_size, out_dtype):
+    """rms_norm(y ∘ silu(z)) ∘ weight over groups of `group_size` channels, in float32, written in
+    out_dtype (mamba_ssm's RMSNormGated with norm_before_gate=False)."""
     *_, g, _ = _gated_norm_terms(y, z, None, weight, group_size)
     r = jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
-    out = ((g * r).reshape(y.shape) * weight.astype(F32)).astype(out_dtype)
-    return out, (y, z, weight, r)
+    return ((g * r).reshape(y.shape) * weight.astype(F32)).astype(out_dtype)
 
 
-def _gated_norm_bwd(eps, group_size, out_dtype, residuals, dn):
-    # n = g r with r = (mean g² + eps)^-1/2 per group: dg = r (dn w - r² g mean(dn w g))
-    y, z, weight, r = residuals
-    *_, g, dn_w = _gated_norm_terms(y, z, dn, weight, group_size)
+def gated_norm_project(y, z, weight, w_out, b_out, *, eps, group_size, norm_dtype, out_dtype):
+    """linear(gated_rms_norm(y, z, weight) in norm_dtype, w_out, b_out) in out_dtype: the mixer's
+    tail, with one backward written out for both (w_out may be a LoRA/NF4 weight).
+
+    Autodiff of the norm gave XLA one float32 y ∘ silu(z) shared by the norm's reduction and its
+    elementwise pass, which it wrote to memory and read back twice. And with the norm and out_proj
+    apart, out_proj's backward needed the norm's output, which a rematerialised step recomputed in
+    the forward from other copies of y and z than the norm's backward read (XLA read both). Here
+    the backward computes the norm's output in the pass that writes dy and dz, and the per-group
+    rms beside the other reduction: y, z and the norm output's cotangent are read once for the two
+    reductions and once for the elementwise pass."""
+    return _gated_norm_project(y, z, weight, w_out, b_out, float(eps), int(group_size), jnp.dtype(norm_dtype),
+                               jnp.dtype(out_dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _gated_norm_project(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype):
+    n = gated_rms_norm(y, z, weight, eps=eps, group_size=group_size, out_dtype=norm_dtype)
+    return weights.linear(n, w_out, bias=b_out, out_dtype=out_dtype)
+
+
+def _gated_norm_project_fwd(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype):
+    out = _gated_norm_project(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype)
+    return out, (y, z, weight, w_out, b_out)  # inputs only: a rematerialised step recomputes nothing here
+
+
+def _gated_norm_project_bwd(eps, group_size, norm_dtype, out_dtype, residuals, d_out):
+    y, z, weight, w_out, b_out = residuals
+
+    def project(n, w, b):
+        return weights.linear(n, w, bias=b, out_dtype=out_dtype)
+
+    # linear in n: n's cotangent does not need n's value (zeros here; the GEMM on them is dropped)
+    dn = jax.vjp(lambda n: project(n, w_out, b_out), jnp.zeros(y.shape, norm_dtype))[1](d_out)[0]
+    # n = g r w with r = (mean g² + eps)^-1/2 per group: dg = r (dn w - r² g mean(dn w g)). The two
+    # reductions read their own copies of y, z and dn (a barrier), so the elementwise pass
+    # recomputes its float32 terms rather than sharing theirs, which XLA would write out
+    *_, g, dn_w = _gated_norm_terms(*jax.lax.optimization_barrier((y, z, dn)), weight, group_size)
+    r = jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
     s = jnp.mean(dn_w * g, axis=-1, keepdims=True)
-    # the elementwise pass recomputes its terms from y, z and dn (bfloat16) rather than sharing the
-    # reduction's float32 ones, which XLA would write out for it
-    y, z, dn = jax.lax.optimization_barrier((y, z, dn))
     zf, gate, sig, g, dn_w = _gated_norm_terms(y, z, dn, weight, group_size)
     dg = (r * (dn_w - g * (r * r) * s)).reshape(y.shape)
     dy = (dg * gate).astype(y.dtype)
     dz = (dg * y.astype(F32) * sig * (1.0 + zf * (1.0 - sig))).astype(z.dtype)
-    dweight = jnp.sum(dn.astype(F32) * (g * r).reshape(y.shape), axis=tuple(range(y.ndim - 1)))
-    return dy, dz, dweight.astype(weight.dtype)
+    normed = (g * r).reshape(y.shape)
+    dweight = jnp.sum(dn.astype(F32) * normed, axis=tuple(range(y.ndim - 1))).astype(weight.dtype)
+    n = (normed * weight.astype(F32)).astype(norm_dtype)
+    dw, db = jax.vjp(lambda w, b: project(n, w, b), w_out, b_out)[1](d_out)
+    return dy, dz, dweight, dw, db
 
 
-_gated_norm.defvjp(_gated_norm_fwd, _gated_norm_bwd)
+_gated_norm_project.defvjp(_gated_norm_project_fwd, _gated_norm_project_bwd)
 
 
 def _linear(x, w, b=None, out_dtype=F32, down=None):
@@ -326,9 +347,8 @@ def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, runtime: Runtime, out_
     # input and output, 16 of a Codestral layer's ~85 KB of temporaries a token
     y, u, down = jax.lax.optimization_barrier((y.reshape(b, t, e), u, down))
     z = _linear(u, p["z_proj"], p.get("z_proj_bias"), out_dtype=u.dtype, down=down)
-    y = gated_rms_norm(y, z, p["mixer_norm"], eps=cfg.norm_eps, group_size=e // cfg.n_groups,
-                       out_dtype=u.dtype)
-    out = _linear(y, p["out_proj"], p.get("out_proj_bias"), out_dtype=out_dtype or u.dtype)
+    out = gated_norm_project(y, z, p["mixer_norm"], p["out_proj"], p.get("out_proj_bias"), eps=cfg.norm_eps,
+                             group_size=e // cfg.n_groups, norm_dtype=u.dtype, out_dtype=out_dtype or u.dtype)
     return out, State(conv_state, ssm_state)
 
 
