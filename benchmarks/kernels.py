@@ -265,6 +265,7 @@ def check(rows):
                       f"grad {g_err:.2e} finite {finite}", flush=True)
     check_packed_ssd(rows)
     check_ssd_backward_heads(rows)
+    check_stacked_lora_input(rows)
 
 
 BACKWARD_TIMING_SHAPE = (192, 256, 16, 64, 1, 128)  # (b, t, h, p, g, n): a training step's 256-token group
@@ -319,6 +320,44 @@ def check_ssd_backward_heads(rows):
         rows.append(dict(family="ssd_backward", b=b, t=t, heads=heads, ms=ms, pick=heads == pick))
         print(f"time ssd_backward {b}x{t} h{h} p{p} n{n} heads/program {heads:2d}: {ms:.3f} ms"
               f"{'  (the rule picks this)' if heads == pick else ''}", flush=True)
+
+
+def check_stacked_lora_input(rows):
+    """The norm that writes LoRA's GEMM input [u | s u A] (`kernels.norm`) compiled for the GPU
+    against its XLA form, then both timed at the training step's shapes (192 texts x 256 tokens):
+    Mamba2's pre-mixer norm (d 768 from the float32 residual) and its gated norm (1536 columns)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxembed import kernels
+
+    def case(lead, d, r, gated, dtype, seed):
+        ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+        x = jax.random.normal(ks[0], (*lead, d)).astype(dtype if gated else jnp.float32)
+        z = jax.random.normal(ks[1], (*lead, d)).astype(dtype) if gated else None
+        return x, 1.0 + jax.random.normal(ks[2], (d,)), jax.random.normal(ks[3], (d, r)) * d ** -0.5, z
+
+    def op(backend, group, dtype):
+        return jax.jit(lambda x, w, a, z: kernels.stacked_lora_input(
+            x, w, a, z, scale=2.0, eps=1e-5, group_size=group, out_dtype=dtype, backend=backend))
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for lead, d, group, r, gated in (((2, 37), 100, 100, 5, False), ((1, 300), 96, 48, 16, True)):
+            args = case(lead, d, r, gated, dtype, d + r)
+            with jax.default_matmul_precision("highest"):
+                err = rel_err(op("pallas", group, dtype)(*args).astype(jnp.float32),
+                              op("xla", group, dtype)(*args).astype(jnp.float32))
+            rows.append(dict(family=f"stacked_lora_input ({'gated' if gated else 'rms'})", dtype=jnp.dtype(dtype).name,
+                             b=lead[0], t=lead[1], y_rel_err=err))
+            print(f"check stacked_lora_input {'gated' if gated else 'rms'} {jnp.dtype(dtype).name:8s} "
+                  f"{lead}: {err:.2e}", flush=True)
+    for d, group, gated in ((768, 768, False), (1536, 1536, True)):
+        args = case((192, 256), d, 16, gated, jnp.bfloat16, 3)
+        ms = {backend: time_jax(op(backend, group, jnp.bfloat16), args) * 1e3 for backend in ("pallas", "xla")}
+        rows.append(dict(family=f"stacked_lora_input ({'gated' if gated else 'rms'})", b=192, t=256, d=d,
+                         kernel_ms=ms["pallas"], xla_ms=ms["xla"]))
+        print(f"time stacked_lora_input {'gated' if gated else 'rms'} 192x256 d{d} r16: kernel {ms['pallas']:.3f} ms, "
+              f"XLA {ms['xla']:.3f} ms ({ms['pallas'] / ms['xla']:.2f}x)", flush=True)
 
 
 def check_packed_ssd(rows):
@@ -482,7 +521,8 @@ def markdown(device, rate, bw, check_rows, op_rows, enc_rows):
     out = [f"Device: {device}; measured bf16 matmul {rate / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s "
            f"(read + write); {time.strftime('%Y-%m-%d')}.", ""]
     timed = [r for r in check_rows if "ms" in r]
-    checked = [r for r in check_rows if "ms" not in r]
+    against_xla = [r for r in check_rows if "kernel_ms" in r]
+    checked = [r for r in check_rows if "ms" not in r and "kernel_ms" not in r]
     if checked:
         out += ["| kernel | dtype | b | t | y rel err | state rel err | grad rel err | grad finite |",
                 "|---|---|---|---|---|---|---|---|"]
@@ -494,6 +534,11 @@ def markdown(device, rate, bw, check_rows, op_rows, enc_rows):
         out += ["| SSD backward kernel, b x t | heads per program | ms | the rule's pick |", "|---|---|---|---|"]
         out += [f"| {r['b']} x {r['t']} | {r['heads']} | {r['ms']:.3f} | {'yes' if r['pick'] else ''} |"
                 for r in timed]
+        out.append("")
+    if against_xla:
+        out += ["| kernel, b x t x d (bf16, rank 16) | kernel ms | XLA form ms | kernel / XLA |", "|---|---|---|---|"]
+        out += [f"| {r['family']}, {r['b']} x {r['t']} x {r['d']} | {r['kernel_ms']:.3f} | {r['xla_ms']:.3f} | "
+                f"{r['kernel_ms'] / r['xla_ms']:.2f} |" for r in against_xla]
         out.append("")
     if op_rows:
         out += ["| operator (model) | b | T | Pallas ms | XLA ms | peer | peer ms | peer / Pallas | roofline ms | "

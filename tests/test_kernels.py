@@ -204,6 +204,46 @@ def test_packed_ssd_lowers_at_codestral_shapes():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stacked_lora_input_kernel_against_float64(dtype):
+    """`kernels.norm`'s [u | s u A], u the RMSNorm of x (the float32 residual, one group) or the
+    gated grouped norm of y ∘ silu(z), against the formula in float64 on the kernel's own rounded u:
+    row counts that are not whole blocks, group sizes that are not powers of two, ranks under the
+    16 a dot needs. Every element is written (the interpreter's NaN poison), and the kernel lowers
+    to Triton for CUDA at Codestral's shapes."""
+    from jaxembed.kernels import norm as k_norm
+
+    rng = np.random.default_rng(20261125)  # not from _draws: the tests after it keep their streams
+    dt = jnp.dtype(dtype)
+    for lead, d, group, r, gated in (((3, 13), 100, 100, 5, False), ((2, 21), 96, 48, 16, True)):
+        x = _normal(rng, (*lead, d)).astype(dt if gated else jnp.float32)
+        z = _normal(rng, (*lead, d)).astype(dt) if gated else None
+        w, a = _normal(rng, (d,)) + 1.0, _normal(rng, (d, r), d ** -0.5)
+        got = np.asarray(k_norm.stacked_lora_input(x, w, a, z, scale=0.75, eps=1e-5, group_size=group, out_dtype=dt,
+                                                   interpret=True).astype(jnp.float32), np.float64)
+        assert got.shape == (*lead, d + r) and np.isfinite(got).all()
+        v = np.asarray(x.astype(jnp.float32), np.float64)
+        if gated:
+            zf = np.asarray(z.astype(jnp.float32), np.float64)
+            v = v * zf / (1.0 + np.exp(-zf))
+        grouped = v.reshape(*lead, d // group, group)
+        u = (grouped / np.sqrt(np.mean(grouped ** 2, axis=-1, keepdims=True) + 1e-5)).reshape(v.shape)
+        u = u * np.asarray(w, np.float64)
+        assert rel_err(got[..., :d], u) < KERNEL_TOLERANCE[dtype] / 2, (gated, dtype)
+        # s u A from the u the kernel wrote (rounded to dtype), A rounded as the GEMM operand is
+        a_rounded = np.asarray(a.astype(dt).astype(jnp.float32), np.float64)
+        assert rel_err(got[..., d:], 0.75 * got[..., :d] @ a_rounded) < KERNEL_TOLERANCE[dtype] / 2, (gated, dtype)
+
+    S = jax.ShapeDtypeStruct
+    for d, group, gated in ((4096, 4096, False), (8192, 1024, True)):
+        fn = functools.partial(k_norm.stacked_lora_input, scale=2.0, eps=1e-5, group_size=group, out_dtype=jnp.bfloat16)
+        xs = (S((2, 4099, d), jnp.bfloat16 if gated else jnp.float32), S((d,), jnp.float32), S((d, 16), jnp.float32))
+        if gated:
+            xs += (S((2, 4099, d), jnp.bfloat16),)
+        text = jax.jit(fn).trace(*xs).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("xla.gpu.triton") == 1 and "stablehlo.pad" not in text  # x read in place
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_ssd_split_into_sequence_segments_matches_the_recurrence(dtype):
     """SSD with the sequence split into segments walked in parallel (each segment's own end state
     first, then every segment entered with the combined state before it), against the token-by-token

@@ -305,10 +305,12 @@ def test_lora_on_mamba2_is_one_rank_r_adapter_on_the_fused_in_proj():
             } == {"z_proj": (2, 4, cfg.d_inner)}
 
 
-def test_lora_gradients_match_the_merged_dense_model():
-    """The adapters' gradients through the LoRA path (x W + s (x A) B: `weights.dot_sum`, in_proj's
-    one adapter over z_proj and xbcdt_proj) against autodiff of the same embedding through the merged
-    dense weights W + s A B, in float32, every adapter and saved module non-zero."""
+@pytest.mark.parametrize("kernels", ["xla", "interpret"])
+def test_lora_gradients_match_the_merged_dense_model(kernels):
+    """The adapters' gradients through the LoRA path (x W + s (x A) B: one GEMM over [x | s x A] and
+    [W ; B], in_proj's one adapter over z_proj and xbcdt_proj, [x | s x A] written by the norm: XLA's
+    form, or the Pallas kernel run by the interpreter) against autodiff of the same embedding through
+    the merged dense weights W + s A B, in float32, every adapter and saved module non-zero."""
     cfg = Mamba2Config(vocab_size=64, d_model=32, n_layers=2, d_state=8, head_dim=8, n_groups=2, chunk_size=8)
     params = models.family(cfg).init_params(cfg, jax.random.key(0))
     lora = lora_lib.LoraConfig(rank=4, alpha=8, modules_to_save=("dt_bias",))
@@ -319,13 +321,20 @@ def test_lora_gradients_match_the_merged_dense_model():
     lengths, weights = jnp.asarray([13, 7, 10]), jnp.asarray(rng.normal(size=(3, cfg.d_model)), jnp.float32)
 
     def objective(weights_of):
-        return lambda ad: jnp.sum(schedule.embed(weights_of(ad), cfg, ids, lengths, normalize=False) * weights)
+        return lambda ad: jnp.sum(schedule.embed(weights_of(ad), cfg, ids, lengths, normalize=False,
+                                                 kernels=kernels) * weights)
 
     # in_proj's down-projection s u A is computed once for both halves (and out_proj's once)
-    program = jax.make_jaxpr(lambda ad: schedule.embed(lora_lib.apply(params, ad, lora, cfg), cfg, ids, lengths))
-    downs = [eqn for eqn in jaxpr_equations(program(adapters).jaxpr)
-             if eqn.primitive.name == "dot_general" and eqn.outvars[0].aval.shape[-1] == lora.rank]
-    assert len(downs) == 2, [eqn.outvars[0].aval.shape for eqn in downs]
+    program = jax.make_jaxpr(lambda ad: schedule.embed(lora_lib.apply(params, ad, lora, cfg), cfg, ids, lengths,
+                                                       kernels=kernels))
+    if kernels == "xla":
+        downs = [eqn for eqn in jaxpr_equations(program(adapters).jaxpr)
+                 if eqn.primitive.name == "dot_general" and eqn.outvars[0].aval.shape[-1] == lora.rank]
+        assert len(downs) == 2, [eqn.outvars[0].aval.shape for eqn in downs]
+    else:  # the norm before in_proj and the gated norm before out_proj write [u | s u A]
+        names = [eqn.params.get("name") for eqn in jaxpr_equations(program(adapters).jaxpr)
+                 if eqn.primitive.name == "pallas_call"]
+        assert names.count("stacked_lora_input") == 2, names
     lora_grads = jax.grad(objective(lambda ad: lora_lib.apply(params, ad, lora, cfg)))(adapters)
     dense_grads = jax.grad(objective(lambda ad: lora_lib.merge(params, ad, lora, cfg)))(adapters)
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(lora_grads), jax.tree.leaves(dense_grads),

@@ -64,6 +64,18 @@ wkv7_chunked = _dispatch("wkv7")
 wkv7_rwkv7_chunked = _dispatch("wkv7", "rwkv7_chunked")
 mlstm_chunked = _dispatch("mlstm")
 
+
+def stacked_lora_input(*args, backend: str, **kwargs):
+    """`ops.norm.stacked_lora_input` or its Pallas kernel (`kernels.norm`), as `resolve(backend)`
+    decides: LoRA's GEMM input [u | s u A] written by the norm that produces u."""
+    from jaxembed.kernels import norm as kernel
+    from jaxembed.ops import norm as reference
+
+    chosen = resolve(backend)
+    if chosen == "xla":
+        return reference.stacked_lora_input(*args, **kwargs)
+    return kernel.stacked_lora_input(*args, interpret=chosen == "interpret", **kwargs)
+
+
 __all__ = ["BACKENDS", "BlockSizes", "heuristic", "resolve", "ssd_chunked", "ssd_chunked_xbc", "ssd_conv_chunked",
-           "wkv7_chunked", "wkv7_rwkv7_chunked",
-           "mlstm_chunked"]
+           "wkv7_chunked", "wkv7_rwkv7_chunked", "mlstm_chunked", "stacked_lora_input"]

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from jaxembed import kernels, weights
 from jaxembed.errors import ConfigError, check_positive_int, check_token_ids
-from jaxembed.ops import ssd
+from jaxembed.ops.norm import gated_norm_terms, rms_norm
 from jaxembed.runtime import Runtime
 
 F32 = jnp.float32
@@ -235,36 +235,10 @@ def fresh_state(cfg: Mamba2Config, batch: int) -> State:
     return State(conv=jnp.zeros((batch, cfg.d_conv - 1, cfg.conv_dim), F32), ssm=None)
 
 
-def rms_norm(x, weight, eps, group_size=None):
-    """RMSNorm in float32 over the last axis, or over groups of `group_size` channels of it."""
-    xf = x.astype(F32)
-    if group_size is not None:
-        xf = xf.reshape(*xf.shape[:-1], -1, group_size)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return xf.reshape(x.shape) * weight.astype(F32)
-
-
-def _gated_norm_terms(y, z, dn, weight, group_size):
-    """(z, silu(z), sigmoid(z), the gated input grouped [..., groups, group_size], dn ∘ weight
-    grouped), all float32."""
-    zf = z.astype(F32)
-    gate = ssd.silu(zf)
-    grouped = (y.astype(F32) * gate).reshape(*y.shape[:-1], -1, group_size)
-    dn_w = None if dn is None else (dn.astype(F32) * weight.astype(F32)).reshape(grouped.shape)
-    return zf, gate, jax.nn.sigmoid(zf), grouped, dn_w
-
-
-def gated_rms_norm(y, z, weight, *, eps, group_size, out_dtype):
-    """rms_norm(y ∘ silu(z)) ∘ weight over groups of `group_size` channels, in float32, written in
-    out_dtype (mamba_ssm's RMSNormGated with norm_before_gate=False)."""
-    *_, g, _ = _gated_norm_terms(y, z, None, weight, group_size)
-    r = jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
-    return ((g * r).reshape(y.shape) * weight.astype(F32)).astype(out_dtype)
-
-
-def gated_norm_project(y, z, weight, w_out, b_out, *, eps, group_size, norm_dtype, out_dtype):
+def gated_norm_project(y, z, weight, w_out, b_out, *, eps, group_size, norm_dtype, out_dtype, backend="xla"):
     """linear(gated_rms_norm(y, z, weight) in norm_dtype, w_out, b_out) in out_dtype: the mixer's
-    tail, with one backward written out for both (w_out may be a LoRA/NF4 weight).
+    tail, with one backward written out for both (w_out may be a LoRA/NF4 weight; a LoRA adapter's
+    GEMM input [n | s n A] is written by the norm, `weights.normed_input`, with `backend`'s kernel).
 
     Autodiff of the norm gave XLA one float32 y ∘ silu(z) shared by the norm's reduction and its
     elementwise pass, which it wrote to memory and read back twice. And with the norm and out_proj
@@ -274,21 +248,22 @@ def gated_norm_project(y, z, weight, w_out, b_out, *, eps, group_size, norm_dtyp
     rms beside the other reduction: y, z and the norm output's cotangent are read once for the two
     reductions and once for the elementwise pass."""
     return _gated_norm_project(y, z, weight, w_out, b_out, float(eps), int(group_size), jnp.dtype(norm_dtype),
-                               jnp.dtype(out_dtype))
+                               jnp.dtype(out_dtype), backend)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _gated_norm_project(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype):
-    n = gated_rms_norm(y, z, weight, eps=eps, group_size=group_size, out_dtype=norm_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _gated_norm_project(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype, backend):
+    n = weights.normed_input(y, weight, (w_out,), gate=z, group_size=group_size, eps=eps, out_dtype=norm_dtype,
+                             backend=backend)
     return weights.linear(n, w_out, bias=b_out, out_dtype=out_dtype)
 
 
-def _gated_norm_project_fwd(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype):
-    out = _gated_norm_project(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype)
+def _gated_norm_project_fwd(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype, backend):
+    out = _gated_norm_project(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype, backend)
     return out, (y, z, weight, w_out, b_out)  # inputs only: a rematerialised step recomputes nothing here
 
 
-def _gated_norm_project_bwd(eps, group_size, norm_dtype, out_dtype, residuals, d_out):
+def _gated_norm_project_bwd(eps, group_size, norm_dtype, out_dtype, backend, residuals, d_out):
     y, z, weight, w_out, b_out = residuals
 
     def project(n, w, b):
@@ -299,10 +274,10 @@ def _gated_norm_project_bwd(eps, group_size, norm_dtype, out_dtype, residuals, d
     # n = g r w with r = (mean g² + eps)^-1/2 per group: dg = r (dn w - r² g mean(dn w g)). The two
     # reductions read their own copies of y, z and dn (a barrier), so the elementwise pass
     # recomputes its float32 terms rather than sharing theirs, which XLA would write out
-    *_, g, dn_w = _gated_norm_terms(*jax.lax.optimization_barrier((y, z, dn)), weight, group_size)
+    *_, g, dn_w = gated_norm_terms(*jax.lax.optimization_barrier((y, z, dn)), weight, group_size)
     r = jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
     s = jnp.mean(dn_w * g, axis=-1, keepdims=True)
-    zf, gate, sig, g, dn_w = _gated_norm_terms(y, z, dn, weight, group_size)
+    zf, gate, sig, g, dn_w = gated_norm_terms(y, z, dn, weight, group_size)
     dg = (r * (dn_w - g * (r * r) * s)).reshape(y.shape)
     dy = (dg * gate).astype(y.dtype)
     dz = (dg * y.astype(F32) * sig * (1.0 + zf * (1.0 - sig))).astype(z.dtype)
@@ -316,14 +291,15 @@ def _gated_norm_project_bwd(eps, group_size, norm_dtype, out_dtype, residuals, d
 _gated_norm_project.defvjp(_gated_norm_project_fwd, _gated_norm_project_bwd)
 
 
-def _linear(x, w, b=None, out_dtype=F32, down=None):
+def _linear(x, w, b=None, out_dtype=F32):
     """x @ w (+ b) with the operands in x's dtype, accumulated in float32, out in out_dtype; w may be
-    a LoRA/NF4 weight (`down`: its adapter's down-projection, shared with another part)."""
-    return weights.linear(x, w, bias=b, out_dtype=out_dtype, down=down)
+    a LoRA/NF4 weight, x a `weights.StackedInput`."""
+    return weights.linear(x, w, bias=b, out_dtype=out_dtype)
 
 
 def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, runtime: Runtime, out_dtype=None):
-    """The Mamba2 mixer on normalised input u [b, t, d]. Returns (out [b, t, d] in out_dtype, default
+    """The Mamba2 mixer on normalised input u [b, t, d] (a `weights.StackedInput` when in_proj has a
+    LoRA adapter: [u | s u A], read by both of its GEMMs). Returns (out [b, t, d] in out_dtype, default
     u's dtype, new state). `layer` asks for the residual's dtype: out_proj then writes what the
     residual add needs, and the add becomes the GEMM's epilogue (cuBLAS beta=1), not a pass of its own.
 
@@ -333,8 +309,7 @@ def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, runtime: Runtime, out_
     """
     b, t, _ = u.shape
     e, h = cfg.d_inner, cfg.n_heads
-    down = weights.shared_down((p["z_proj"], p["xbcdt_proj"]), u)  # in_proj's one LoRA adapter, if any
-    xbcdt = _linear(u, p["xbcdt_proj"], p.get("xbcdt_proj_bias"), out_dtype=u.dtype, down=down)
+    xbcdt = _linear(u, p["xbcdt_proj"], p.get("xbcdt_proj_bias"), out_dtype=u.dtype)
     # conv + SiLU + SSD straight from the projection: the Pallas kernel reads x, convolves it per
     # chunk and reads B and C (convolved by XLA) as column blocks, so no conv output of x is written
     y, conv_state, ssm_state = kernels.ssd_conv_chunked(
@@ -345,17 +320,20 @@ def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, runtime: Runtime, out_
     )
     # z once y is there (the barrier orders it): z [t, e] is then never live beside the kernel's
     # input and output, 16 of a Codestral layer's ~85 KB of temporaries a token
-    y, u, down = jax.lax.optimization_barrier((y.reshape(b, t, e), u, down))
-    z = _linear(u, p["z_proj"], p.get("z_proj_bias"), out_dtype=u.dtype, down=down)
+    y, u = jax.lax.optimization_barrier((y.reshape(b, t, e), u))
+    z = _linear(u, p["z_proj"], p.get("z_proj_bias"), out_dtype=u.dtype)
     out = gated_norm_project(y, z, p["mixer_norm"], p["out_proj"], p.get("out_proj_bias"), eps=cfg.norm_eps,
-                             group_size=e // cfg.n_groups, norm_dtype=u.dtype, out_dtype=out_dtype or u.dtype)
+                             group_size=e // cfg.n_groups, norm_dtype=u.dtype, out_dtype=out_dtype or u.dtype,
+                             backend=runtime.kernels)
     return out, State(conv_state, ssm_state)
 
 
 def layer(cfg: Mamba2Config, p: dict, x, state: State, *, runtime: Runtime, index=None):
     """One residual block: x + mixer(norm(x)). x [b, t, d] is the residual stream."""
     dtype = p["xbcdt_proj"].dtype
-    u = rms_norm(x, p["norm"], cfg.norm_eps).astype(dtype)
+    # in_proj's input; with a LoRA adapter [u | s u A], written by the norm (`weights.normed_input`)
+    u = weights.normed_input(x, p["norm"], (p["z_proj"], p["xbcdt_proj"]), eps=cfg.norm_eps, out_dtype=dtype,
+                             backend=runtime.kernels)
     residual_dtype = F32 if cfg.residual_in_fp32 else dtype
     out, state = mixer(cfg, p, u, state, runtime=runtime, out_dtype=residual_dtype)
     return (x.astype(residual_dtype) + out.astype(residual_dtype)).astype(residual_dtype), state

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jaxembed import models
 from jaxembed.errors import check_positive_int
-from jaxembed.weights import DerivedWeight, densify, dot, dot_sum
+from jaxembed.weights import DerivedWeight, densify, dot, dot_stacked, dot_sum
 
 F32 = jnp.float32
 
@@ -104,7 +104,7 @@ def _split_fused(config, names) -> tuple[str, ...]:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["base", "a", "b"],
-                   meta_fields=["scale", "adapter_group"])
+                   meta_fields=["scale", "adapter"])
 @dataclasses.dataclass(frozen=True)
 class LoraWeight(DerivedWeight):
     """base + scale * a @ b, with base [..., d_in, d_out] an array or an NF4Weight."""
@@ -113,7 +113,7 @@ class LoraWeight(DerivedWeight):
     a: jax.Array  # [..., d_in, r] float32
     b: jax.Array  # [..., r, d_out] float32
     scale: float
-    adapter_group: str | None = None  # the fused adapter whose A this shares (`adapter_groups`), if any
+    adapter: str | None = None  # the adapter's name: a fused group's parts share its A (`adapter_groups`)
 
     @property
     def shape(self):
@@ -127,16 +127,16 @@ class LoraWeight(DerivedWeight):
         base = densify(self.base)
         return (base.astype(F32) + self.scale * jnp.matmul(self.a, self.b)).astype(base.dtype)
 
-    def down(self, x, compute_dtype):
-        """s x A [b, t, r] float32: the down-projection, which parts of one adapter share."""
-        return self.scale * dot(x, self.a, compute_dtype)
-
-    def matmul(self, x, compute_dtype, out_dtype=F32, down=None):
+    def matmul(self, x, compute_dtype, out_dtype=F32):
         """x W + s (x A) B as one GEMM, [x | s x A] @ [W ; B] (`weights.dot_sum`), accumulated in
-        float32 and written once in out_dtype; under autodiff the cotangent stays in compute_dtype.
-        `down`: s x A when the caller computed it once for every part of the adapter."""
-        down = self.down(x, compute_dtype) if down is None else down
+        float32 and written once in out_dtype; under autodiff the cotangent stays in compute_dtype."""
+        down = self.scale * dot(x, self.a, compute_dtype)
         return dot_sum(x, densify(self.base), down, self.b, compute_dtype, out_dtype)
+
+    def matmul_stacked(self, xy, compute_dtype, out_dtype=F32):
+        """The same product from xy = [x | s x A] as the adapter's norm wrote it
+        (`weights.normed_input`)."""
+        return dot_stacked(xy, densify(self.base), self.b, compute_dtype, out_dtype)
 
 
 def adapter_groups(config, lora: LoraConfig) -> dict[str, tuple[str, ...]]:
@@ -190,8 +190,7 @@ def apply(params, adapters, lora: LoraConfig, config):
         start = 0  # a fused group's parts each take their columns of B
         for part in groups[name]:
             width = layers[part].shape[-1]
-            group = name if len(groups[name]) > 1 else None
-            layers[part] = LoraWeight(layers[part], ab["a"], ab["b"][..., start:start + width], lora.scale, group)
+            layers[part] = LoraWeight(layers[part], ab["a"], ab["b"][..., start:start + width], lora.scale, name)
             start += width
     params = {**params, "layers": layers}
     saved = adapters.get("saved", {})

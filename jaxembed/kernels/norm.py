@@ -1,0 +1,119 @@
+"""LoRA's stacked GEMM input [u | s u A] written by the norm that produces u: one Pallas kernel.
+
+A LoRA layer runs u W + s (u A) B as one GEMM over [u | s u A] and [W ; B]
+(`weights.dot_stacked`). Built by XLA (`ops.norm.stacked_lora_input`), that input costs passes of
+its own beyond the norm's: a GEMM reads u for u A, and a concatenation reads u again and writes
+[u | s u A]. In Mamba2's training step that is three times a layer (in_proj's input in the forward
+and in the rematerialised forward, out_proj's once), ~20% of the step's glue bytes on the GPU
+(docs/benchmarks.md, session 17). Here each program normalises a block of rows, one column chunk
+at a time, writes u and accumulates u A on the tensor cores, then writes s u A beside it: the
+norm's own reads, and one write of the stacked input.
+
+Differentiated as the reference (`common.with_reference_vjp`): the backward recomputes the norm
+in XLA, as autodiff of the XLA form did.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from jaxembed.kernels import common
+from jaxembed.ops import norm as ref
+
+F32 = jnp.float32
+ROWS = 32  # rows per program
+MAX_CHUNK = 256  # columns per step: [32, 256] float32 tiles, 64 registers a thread at 4 warps
+BLOCKS = common.BlockSizes(num_warps=4, num_stages=2)
+
+
+def _kernel(*refs, d, r, rp, group_size, chunk, gated, eps, scale, n_rows):
+    if gated:
+        x_ref, z_ref, w_ref, a_ref, out_ref = refs
+    else:
+        (x_ref, w_ref, a_ref, out_ref), z_ref = refs, None
+    first = pl.program_id(0) * ROWS
+    rows = pl.ds(pl.multiple_of(first, ROWS), ROWS)
+    row_ok = first + lax.broadcasted_iota(jnp.int32, (ROWS,), 0) < n_rows
+    lane = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+    steps = -(-group_size // chunk)
+
+    def tile(g, k):
+        """(columns, column mask, [ROWS, chunk] float32 norm input) of step k of group g; columns
+        past the group (and rows past the array) read as zeros."""
+        start = g * group_size + k * chunk
+        col_ok = lane < group_size - k * chunk
+        mask = row_ok[:, None] & col_ok[None, :]
+        cols = pl.ds(start, chunk)
+        v = plt.load(x_ref.at[rows, cols], mask=mask, other=0.0).astype(F32)
+        if gated:
+            zf = plt.load(z_ref.at[rows, cols], mask=mask, other=0.0).astype(F32)
+            v = v * (zf / (1.0 + jnp.exp(-zf)))  # ops.ssd.silu
+        return cols, col_ok, mask, v
+
+    def group(g, down):
+        def square_sum(k, acc):
+            *_, v = tile(g, k)
+            return acc + jnp.sum(v * v, axis=1)
+
+        inv = lax.rsqrt(lax.fori_loop(0, steps, square_sum, jnp.zeros((ROWS,), F32)) / group_size + eps)
+
+        def write(k, down):
+            cols, col_ok, mask, v = tile(g, k)
+            w = plt.load(w_ref.at[cols], mask=col_ok, other=0.0).astype(F32)
+            u = (v * inv[:, None] * w[None, :]).astype(out_ref.dtype)
+            plt.store(out_ref.at[rows, cols], u, mask=mask)
+            a = plt.load(a_ref.at[cols, :], mask=col_ok[:, None], other=0.0)
+            return down + common.dot(u, a)
+
+        return lax.fori_loop(0, steps, write, down)
+
+    down = lax.fori_loop(0, d // group_size, group, jnp.zeros((ROWS, rp), F32))
+    down_ok = row_ok[:, None] & (lax.broadcasted_iota(jnp.int32, (rp,), 0) < r)[None, :]
+    # a rank padded to rp columns reaches past the row's end: a traced start (the mask keeps the
+    # store in the row) rather than a static slice, which the ref's bounds check would refuse
+    down_cols = pl.ds(d + 0 * pl.program_id(0), rp) if rp > r else pl.ds(d, r)
+    plt.store(out_ref.at[rows, down_cols], (scale * down).astype(out_ref.dtype), mask=down_ok)
+
+
+@common.cached
+def _build(scale: float, eps: float, group_size: int, out_dtype, interpret: bool):
+    def forward(x, weight, a, gate):
+        *lead, d = x.shape
+        r = a.shape[-1]
+        rp = common.padded(r)
+        n_rows = x.size // d
+        chunk = min(MAX_CHUNK, common.padded(group_size))
+        inputs = [x.reshape(n_rows, d)] + ([] if gate is None else [gate.reshape(n_rows, d)])
+        inputs += [weight, common.pad_axis(a.astype(out_dtype), 1, rp)]
+        kernel = functools.partial(_kernel, d=d, r=r, rp=rp, group_size=group_size, chunk=chunk,
+                                   gated=gate is not None, eps=eps, scale=scale, n_rows=n_rows)
+        out = common.call(kernel, grid=(-(-n_rows // ROWS),), in_specs=[pl.BlockSpec()] * len(inputs),
+                          out_specs=pl.BlockSpec(), out_shape=jax.ShapeDtypeStruct((n_rows, d + r), out_dtype),
+                          blocks=BLOCKS, interpret=interpret, name="stacked_lora_input")(*inputs)
+        return out.reshape(*lead, d + r)
+
+    def reference(x, weight, a, gate):
+        return ref.stacked_lora_input(x, weight, a, gate, scale=scale, eps=eps, group_size=group_size,
+                                      out_dtype=out_dtype)
+
+    return common.with_reference_vjp(forward, reference)
+
+
+def stacked_lora_input(x, weight, a, gate=None, *, scale, eps, group_size, out_dtype, interpret=False):
+    """`ops.norm.stacked_lora_input` as one kernel: [u | s u A] [..., d + r] in out_dtype, with u the
+    RMSNorm of x [..., d] (of x ∘ silu(gate) with a gate) over groups of `group_size` channels,
+    times weight [d], and A [d, r]."""
+    d = x.shape[-1]
+    if d % group_size or weight.shape != (d,) or a.ndim != 2 or a.shape[0] != d:
+        raise ValueError(f"stacked_lora_input: x [..., {d}] needs weight [{d}], A [{d}, r] and a group size "
+                         f"dividing {d}; got weight {weight.shape}, A {a.shape}, group size {group_size}")
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"stacked_lora_input: the gate's shape {gate.shape} is not x's {x.shape}")
+    return _build(float(scale), float(eps), int(group_size), jnp.dtype(out_dtype), bool(interpret))(
+        x, weight, a, gate)

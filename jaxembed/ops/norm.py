@@ -1,0 +1,61 @@
+"""RMSNorms, and LoRA's stacked GEMM input [u | s u A] built from one (the reference of
+`kernels.norm`).
+
+A LoRA layer's product u W + s (u A) B runs as one GEMM over [u | s u A] and [W ; B]
+(`weights.dot_stacked`). `stacked_lora_input` builds that input from the norm that produces u:
+here with XLA (u, then u A, then the concatenation), in `kernels.norm` as one Pallas kernel that
+writes both halves.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxembed.ops.ssd import silu
+
+F32 = jnp.float32
+
+
+def rms_norm(x, weight, eps, group_size=None):
+    """RMSNorm in float32 over the last axis, or over groups of `group_size` channels of it."""
+    xf = x.astype(F32)
+    if group_size is not None:
+        xf = xf.reshape(*xf.shape[:-1], -1, group_size)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return xf.reshape(x.shape) * weight.astype(F32)
+
+
+def gated_norm_terms(y, z, dn, weight, group_size):
+    """(z, silu(z), sigmoid(z), the gated input grouped [..., groups, group_size], dn ∘ weight
+    grouped), all float32."""
+    zf = z.astype(F32)
+    gate = silu(zf)
+    grouped = (y.astype(F32) * gate).reshape(*y.shape[:-1], -1, group_size)
+    dn_w = None if dn is None else (dn.astype(F32) * weight.astype(F32)).reshape(grouped.shape)
+    return zf, gate, jax.nn.sigmoid(zf), grouped, dn_w
+
+
+def gated_rms_norm(y, z, weight, *, eps, group_size, out_dtype):
+    """rms_norm(y ∘ silu(z)) ∘ weight over groups of `group_size` channels, in float32, written in
+    out_dtype (mamba_ssm's RMSNormGated with norm_before_gate=False)."""
+    *_, g, _ = gated_norm_terms(y, z, None, weight, group_size)
+    r = jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
+    return ((g * r).reshape(y.shape) * weight.astype(F32)).astype(out_dtype)
+
+
+def normed(x, weight, gate, *, eps, group_size, out_dtype):
+    """u: rms_norm(x) ∘ weight over groups of `group_size` channels, or with a gate z the gated
+    norm of x ∘ silu(z), written in out_dtype."""
+    if gate is None:
+        return rms_norm(x, weight, eps, group_size).astype(out_dtype)
+    return gated_rms_norm(x, gate, weight, eps=eps, group_size=group_size, out_dtype=out_dtype)
+
+
+def stacked_lora_input(x, weight, a, gate=None, *, scale, eps, group_size, out_dtype):
+    """[u | s u A] [..., d + r] in out_dtype, u = `normed(x, weight, gate)` [..., d] and A [d, r]:
+    u A with both operands in out_dtype, accumulated in float32, scaled, then rounded (as
+    `LoraWeight.matmul` computes it)."""
+    u = normed(x, weight, gate, eps=eps, group_size=group_size, out_dtype=out_dtype)
+    down = scale * jnp.einsum("...d,dr->...r", u, a.astype(out_dtype), preferred_element_type=F32)
+    return jnp.concatenate([u, down.astype(out_dtype)], axis=-1)
