@@ -106,13 +106,13 @@ def _build(scale: float, eps: float, group_size: int, out_dtype, interpret: bool
 
 
 def stacked_lora_input(x, weight, a, gate=None, *, scale, eps, group_size, out_dtype, interpret=False):
-    """`ops.norm.stacked_lora_input` as one kernel: [u | s u A] [..., d + r] in out_dtype, with u the
-    RMSNorm of x [..., d] (of x ∘ silu(gate) with a gate) over groups of `group_size` channels,
-    times weight [d], and A [d, r]."""
+    """`ops.norm.stacked_lora_input` as one kernel: [u | s u A] [b, t, d + r] in out_dtype, with u
+    the RMSNorm of x [b, t, d] (of x ∘ silu(gate) with a gate) over groups of `group_size`
+    channels, times weight [d], and A [d, r]."""
     d = x.shape[-1]
-    if d % group_size or weight.shape != (d,) or a.ndim != 2 or a.shape[0] != d:
-        raise ValueError(f"stacked_lora_input: x [..., {d}] needs weight [{d}], A [{d}, r] and a group size "
-                         f"dividing {d}; got weight {weight.shape}, A {a.shape}, group size {group_size}")
+    if x.ndim != 3 or d % group_size or weight.shape != (d,) or a.ndim != 2 or a.shape[0] != d:
+        raise ValueError(f"stacked_lora_input: x [b, t, d] needs weight [d], A [d, r] and a group size dividing d; "
+                         f"got x {x.shape}, weight {weight.shape}, A {a.shape}, group size {group_size}")
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"stacked_lora_input: the gate's shape {gate.shape} is not x's {x.shape}")
     return _build(float(scale), float(eps), int(group_size), jnp.dtype(out_dtype), bool(interpret))(

@@ -53,9 +53,11 @@ def normed(x, weight, gate, *, eps, group_size, out_dtype):
 
 
 def stacked_lora_input(x, weight, a, gate=None, *, scale, eps, group_size, out_dtype):
-    """[u | s u A] [..., d + r] in out_dtype, u = `normed(x, weight, gate)` [..., d] and A [d, r]:
+    """[u | s u A] [b, t, d + r] in out_dtype, u = `normed(x, weight, gate)` [b, t, d] and A [d, r]:
     u A with both operands in out_dtype, accumulated in float32, scaled, then rounded (as
     `LoraWeight.matmul` computes it)."""
+    from jaxembed.weights import dot  # its backward keeps u's cotangent in out_dtype, as u's own is
+
     u = normed(x, weight, gate, eps=eps, group_size=group_size, out_dtype=out_dtype)
-    down = scale * jnp.einsum("...d,dr->...r", u, a.astype(out_dtype), preferred_element_type=F32)
+    down = scale * dot(u, a, out_dtype)
     return jnp.concatenate([u, down.astype(out_dtype)], axis=-1)
