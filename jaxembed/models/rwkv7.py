@@ -307,7 +307,11 @@ def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, r
 def channel_mix(p: dict, u, prev):
     """RWKV7's channel mix (squared-ReLU MLP on a token-shifted input). Returns (out [b, t, d] float32, shift state)."""
     delta, shift = _token_shift(u, prev)
-    k = jax.nn.relu(_linear(u + delta * p["ffn_x_k"].astype(F32), p["ffn_key"])) ** 2
+    k = _linear(u + delta * p["ffn_x_k"].astype(F32), p["ffn_key"])
+    # relu(k)² as a select: XLA folds a relu into the GEMM as a cuBLASLt epilogue, and such a GEMM
+    # cannot read its layer's weight in place out of the stack (dynamic-slice fusion), so in the
+    # vertical schedule it copied the 134 MB ffn_key per chunk and layer; the square is a pass anyway
+    k = jnp.where(k > 0, k * k, 0.0).astype(k.dtype)
     return _linear(k, p["ffn_value"], F32), shift
 
 
