@@ -56,8 +56,29 @@ def stacked_lora_input(x, weight, a, gate=None, *, scale, eps, group_size, out_d
     """[u | s u A] [b, t, d + r] in out_dtype, u = `normed(x, weight, gate)` [b, t, d] and A [d, r]:
     u A with both operands in out_dtype, accumulated in float32, scaled, then rounded (as
     `LoraWeight.matmul` computes it)."""
-    from jaxembed.weights import dot  # its backward keeps u's cotangent in out_dtype, as u's own is
-
     u = normed(x, weight, gate, eps=eps, group_size=group_size, out_dtype=out_dtype)
-    down = scale * dot(u, a, out_dtype)
+    down = scale * _down_projection(u, a.astype(out_dtype))
     return jnp.concatenate([u, down.astype(out_dtype)], axis=-1)
+
+
+@jax.custom_vjp
+def _down_projection(u, a):
+    """u A, accumulated and written in float32."""
+    return jnp.einsum("btd,dr->btr", u, a, preferred_element_type=F32)
+
+
+def _down_projection_fwd(u, a):
+    return _down_projection(u, a), (u, a)
+
+
+def _down_projection_bwd(residuals, g):
+    u, a = residuals
+    g = g.astype(u.dtype)
+    # u's cotangent share in u's dtype, behind a barrier: XLA would add it to the GEMM input's
+    # cotangent as the GEMM's epilogue (cuBLAS beta = 1), which needs that cotangent's u columns
+    # copied out of [du | d(s u A)] first; apart, the add joins the norm's backward pass
+    du = jax.lax.optimization_barrier(jnp.einsum("btr,dr->btd", g, a, preferred_element_type=u.dtype))
+    return du, jnp.einsum("btd,btr->dr", u, g, preferred_element_type=a.dtype)
+
+
+_down_projection.defvjp(_down_projection_fwd, _down_projection_bwd)
