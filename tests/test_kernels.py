@@ -343,17 +343,20 @@ def test_ssd_conv_gradients_through_the_backward_kernel():
     b, h, p, g, n, k = 2, 4, 16, 2, 16, 4
     e, conv_dim = h * p, h * p + 2 * g * n
     blocks = BlockSizes(chunk=16, value_block=16)
-    kw = dict(offset=e, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8, dt_limit=(0.05, 2.0))
-    for t in (37, 16 * ssd_backward.MAX_CHUNKS + 5):  # 3 chunks: the kernel; 9: the reference
-        args = (_normal(rng, (b, t, e + conv_dim + h)), -jnp.exp(_normal(rng, (h,))),
+    # 3 chunks: the kernel, on XLA's convolved x (partial chunk, or x not first) or convolving raw x
+    # itself (x first, whole chunks: Mamba2's layer); 9 chunks: the reference
+    for offset, t in ((e, 37), (0, 48), (0, 16 * ssd_backward.MAX_CHUNKS + 5)):
+        assert ssd_backward.can_convolve(t=t, chunk=16, head_dim=p, taps=k, offset=offset) == (t == 48)
+        kw = dict(offset=offset, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8, dt_limit=(0.05, 2.0))
+        args = (_normal(rng, (b, t, offset + conv_dim + h)), -jnp.exp(_normal(rng, (h,))),
                 _normal(rng, (b, k - 1, conv_dim)), _normal(rng, (k, conv_dim), 0.5), _normal(rng, (conv_dim,), 0.3),
                 _normal(rng, (h,)), _normal(rng, (h,), 0.5), _normal(rng, (b, h, p, n)))
 
-        def kernel_fn(proj, A, cs, w, bias, D, dt_bias, s0):
+        def kernel_fn(proj, A, cs, w, bias, D, dt_bias, s0, kw=kw):
             return kernels.ssd_conv_chunked(proj, A, cs, w, bias, D=D, dt_bias=dt_bias, initial_state=s0,
                                             backend="interpret", blocks=blocks, **kw)
 
-        def reference_fn(proj, A, cs, w, bias, D, dt_bias, s0):
+        def reference_fn(proj, A, cs, w, bias, D, dt_bias, s0, kw=kw):
             return ssd.conv_chunked(proj, A, cs, w, bias, D=D, dt_bias=dt_bias, initial_state=s0, **kw)
 
         _assert_same_vjp(kernel_fn, reference_fn, args, "proj A conv_state w bias D dt_bias s0", t)

@@ -57,6 +57,18 @@ class XConv(NamedTuple):
     full: int
 
 
+def conv_silu_tile(window, weight, bias, *, taps, dtype):
+    """silu(Σ_i window(taps-1-i) w_i + bias) [l, pb] in dtype, computed in float32: the causal conv
+    + SiLU of raw rows, window(lag) the [l, pb] rows lag tokens back and weight(i) tap i's [pb]
+    weights, summed in `ops.ssd.causal_conv`'s order."""
+    acc = None
+    for i in range(taps):
+        term = window(taps - 1 - i).astype(F32) * weight(i).astype(F32)[None, :]
+        acc = term if acc is None else acc + term
+    acc = acc + bias.astype(F32)[None, :]
+    return (acc / (1.0 + jnp.exp(-acc))).astype(dtype)
+
+
 def _walk_x(x_ref, conv_refs, xconv, *, L, first, chunks, step, S):
     """S = step(c, x_c, S) for the chunks c in [first, first + chunks), x_c [L, pb] the chunk's x:
     a row block of x_ref, or with `xconv` the causal conv + SiLU of raw x computed here (tap i
@@ -68,12 +80,7 @@ def _walk_x(x_ref, conv_refs, xconv, *, L, first, chunks, step, S):
     k, full = xconv.taps, xconv.full
 
     def conv(window):
-        acc = None
-        for i in range(k):
-            term = window(k - 1 - i).astype(F32) * w_ref[i, :].astype(F32)[None, :]
-            acc = term if acc is None else acc + term
-        acc = acc + bias_ref[...].astype(F32)[None, :]
-        return (acc / (1.0 + jnp.exp(-acc))).astype(x_ref.dtype)
+        return conv_silu_tile(window, lambda i: w_ref[i, :], bias_ref[...], taps=k, dtype=x_ref.dtype)
 
     def raw(c):
         return lambda lag: x_ref[pl.ds(c * L - lag, L), :]
@@ -433,17 +440,48 @@ def _differentiable_conv(chunk_size, offset, dims, dt_limit, blocks, interpret, 
                              dims=dims, dt_limit=dt_limit, blocks=blocks, interpret=interpret,
                              final_state=final_state)
 
+    def front(proj, conv_state, conv_weight, conv_bias):  # the split and the conv (XLA)
+        xbc, dt = ref.split_projection(proj, offset=offset, heads=h, head_dim=p, groups=g, state_size=n)
+        xbc, new_conv_state = ref.causal_conv(xbc, conv_state, conv_weight, conv_bias, out_dtype=proj.dtype)
+        return xbc, dt, new_conv_state
+
     def reference(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state):
         # `ops.ssd.conv_chunked`: the split and conv in XLA, the SSD by the split form's kernels
         # (forward and, for short sequences, backward: `_differentiable`)
-        xbc, dt = ref.split_projection(proj, offset=offset, heads=h, head_dim=p, groups=g, state_size=n)
-        xbc, new_conv_state = ref.causal_conv(xbc, conv_state, conv_weight, conv_bias, out_dtype=proj.dtype)
+        xbc, dt, new_conv_state = front(proj, conv_state, conv_weight, conv_bias)
         x, B, C = ref.split_xbc(xbc, heads=h, head_dim=p, groups=g, state_size=n)
         y, state = _differentiable(chunk_size, dt_limit, blocks, interpret, final_state)(x, dt, A, B, C, D, dt_bias,
                                                                                            state)
         return y, new_conv_state, state
 
-    return common.with_reference_vjp(forward, reference)
+    from jaxembed.kernels import ssd_backward
+
+    def backward(args, cotangent):
+        """Short sequences (training): the backward kernel convolves x raw out of proj per chunk, as
+        the forward kernel does, so XLA writes no convolved x for it; B and C (and chunk 0 of x)
+        come convolved by XLA. Then the conv's and the split's backward in XLA. Else None: `jax.vjp`
+        of the reference, which runs the backward kernel on an XLA-convolved x."""
+        proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state = args
+        dy, d_conv_state, d_state = cotangent
+        L, e, t = blocks.chunk, h * p, proj.shape[1]
+        if isinstance(state, StateSlot) or not ssd_backward.can_convolve(
+                t=t, chunk=L, head_dim=p, taps=conv_weight.shape[0], offset=offset):
+            return None
+        xbc, dt = ref.split_projection(proj, offset=offset, heads=h, head_dim=p, groups=g, state_size=n)
+        bc, _ = ref.causal_conv(xbc[..., e:], conv_state[..., e:], conv_weight[:, e:], conv_bias[e:],
+                                out_dtype=proj.dtype)
+        B, C = (v.reshape(*v.shape[:2], g, n) for v in jnp.split(bc, 2, axis=-1))
+        head, _ = ref.causal_conv(xbc[:, :L, :e], conv_state[..., :e], conv_weight[:, :e], conv_bias[:e],
+                                  out_dtype=proj.dtype)
+        dx, d_dt, dA, dB, dC, dD, d_bias, d_state0 = ssd_backward.backward(
+            proj, dt, A, B, C, D, dt_bias, state, dy, d_state if final_state else None, dt_limit=dt_limit, chunk=L,
+            interpret=interpret, conv=(head, conv_weight[:, :e], conv_bias[:e]))
+        d_xbc = jnp.concatenate([v.reshape(*v.shape[:2], -1).astype(proj.dtype) for v in (dx, dB, dC)], axis=-1)
+        _, front_vjp = jax.vjp(front, proj, conv_state, conv_weight, conv_bias)
+        d_proj, d_cs, d_w, d_b = front_vjp((d_xbc, d_dt.astype(dt.dtype), d_conv_state))
+        return d_proj, dA, d_cs, d_w, d_b, dD, d_bias, d_state0
+
+    return common.with_reference_vjp(forward, reference, backward)
 
 
 def conv_chunked(proj, A, conv_state, conv_weight, conv_bias, *, offset: int, heads: int, head_dim: int, groups: int,

@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxembed.kernels import common
-from jaxembed.kernels.ssd import _rows, _state_step  # the forward kernel's chunk rows and state step
+from jaxembed.kernels.ssd import _rows, _state_step, conv_silu_tile  # the forward kernel's pieces
 from jaxembed.ops import ssd as ref
 
 F32 = jnp.float32
@@ -54,9 +54,13 @@ MIN_PROGRAMS = 1024
 
 
 def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, *refs, L, chunks, heads, head_width,
-            pb, reads_state, reads_d_state):
+            pb, reads_state, reads_d_state, taps):
     """Without `reads_state` the initial state is zero (not read) and its cotangent is not written;
-    without `reads_d_state` the final state's cotangent is zero (not read)."""
+    without `reads_d_state` the final state's cotangent is zero (not read). With `taps` (Mamba2's
+    layer), x_ref holds x raw, before the causal conv of `taps` taps + SiLU, which the kernel
+    computes per chunk as the forward kernel does; chunk 0, whose window reaches into the conv
+    state, comes convolved by XLA (the head block)."""
+    conv_refs, refs = (refs[:3], refs[3:]) if taps else (None, refs)
     s0_ref, refs = (refs[0], refs[1:]) if reads_state else (None, refs)
     ds_ref, refs = (refs[0], refs[1:]) if reads_d_state else (None, refs)
     dx_ref, x_dxt_ref, dD_ref, dB_ref, dC_ref, dcs_ref, r_ref, *ds0_ref = refs
@@ -64,6 +68,17 @@ def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref,
     causal, strict = common.causal_masks(L)
     last = lax.broadcasted_iota(jnp.int32, (L,), 0) == L - 1
     value_block = pl.program_id(2)
+
+    def x_of(c, cols):  # chunk c's x [l, pb]: as stored, or the causal conv + SiLU of raw x
+        if not taps:
+            return x_ref[_rows(c, L), cols]
+        head_ref, w_ref, bias_ref = conv_refs
+
+        def window(lag):  # (chunk 0's start is clipped: its rows come from the head block)
+            return x_ref[pl.ds(jnp.maximum(c * L - lag, 0), L), cols]
+
+        convolved = conv_silu_tile(window, lambda i: w_ref[i, cols], bias_ref[cols], taps=taps, dtype=x_ref.dtype)
+        return jnp.where(c == 0, head_ref[:, cols], convolved)
 
     def head(j, carry):  # the program's j-th head: its value block's columns of x, dy, dx and D
         cols = pl.ds(pl.multiple_of(j * head_width + value_block * pb, pb), pb)
@@ -76,7 +91,7 @@ def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref,
         def entering(c):
             def step(k, S):
                 t = _rows(k, L)
-                return _state_step(S, x_ref[t, cols], B_ref[t, :], dt_ref[j, t], a_cum_ref[j, t],
+                return _state_step(S, x_of(k, cols), B_ref[t, :], dt_ref[j, t], a_cum_ref[j, t],
                                    a_to_end_ref[j, t])
             return lax.fori_loop(0, c, step, s0_ref[j] if reads_state else zero_state)
 
@@ -85,7 +100,7 @@ def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref,
             c = chunks - 1 - i
             t = _rows(c, L)
             S = entering(c)
-            x, dy = x_ref[t, cols], dy_ref[t, cols]  # [l, pb]
+            x, dy = x_of(c, cols), dy_ref[t, cols]  # [l, pb]
             Bc, Cc = B_ref[t, :], C_ref[t, :]  # [l, n]
             dt, a_cum, a_to_end = dt_ref[j, t], a_cum_ref[j, t], a_to_end_ref[j, t]  # [l]
             cdt = x.dtype
@@ -128,6 +143,14 @@ def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref,
     lax.fori_loop(0, heads, head, 0)
 
 
+def can_convolve(*, t: int, chunk: int, head_dim: int, taps: int, offset: int) -> bool:
+    """Whether `backward` can take x raw (`conv`): x's columns first in the projection (offset 0),
+    whole chunks (no padded rows), a head dim that is a block multiple (no padded columns), and a
+    conv window within one chunk."""
+    return (offset == 0 and t % chunk == 0 and t <= MAX_CHUNKS * chunk and common.padded(head_dim) == head_dim
+            and taps - 1 <= chunk)
+
+
 def choose_heads_per_program(*, batch: int, heads: int, heads_per_group: int, value_blocks: int) -> int:
     """How many heads of one group a program walks, one after another, summing their dB and dC on
     chip: the most (a power of two dividing heads_per_group, at most MAX_HEADS_PER_PROGRAM) that
@@ -140,13 +163,18 @@ def choose_heads_per_program(*, batch: int, heads: int, heads_per_group: int, va
 
 
 def backward(x, dt, A, B, C, D, dt_bias, state, dy, d_state, *, dt_limit, chunk, interpret,
-             heads_per_program: int | None = None):
+             heads_per_program: int | None = None, conv=None):
     """Cotangents of (x, dt, A, B, C, D, dt_bias, state) for `ops.ssd.chunked`'s (y, final state)
     given theirs (dy, d_state): shapes and dtypes as the inputs; a None state or d_state is zero,
     and a None state gets None for its cotangent. One chunk layout of `chunk` tokens; t <=
     MAX_CHUNKS * chunk. `heads_per_program` (default: `choose_heads_per_program`) must divide the
-    heads of a group."""
-    b, t, h, p = x.shape
+    heads of a group.
+
+    conv (Mamba2's layer, `can_convolve`): (head [b, chunk, h p], conv weight [k, h p], bias [h p])
+    and x the projection's output [b, t, ...] whose first h p columns are x raw, before the causal
+    conv + SiLU that the kernel computes per chunk; head is chunk 0 convolved. x's cotangent is
+    then that of the convolved x [b, t, h, p]."""
+    b, t, h, p = dy.shape
     g, n = B.shape[2], B.shape[3]
     r = h // g
     L = chunk
@@ -172,7 +200,7 @@ def backward(x, dt, A, B, C, D, dt_bias, state, dy, d_state, *, dt_limit, chunk,
     def head_major(v):  # [b, T, h] -> [b, h, T]: a head's positions contiguous
         return jnp.moveaxis(v, 2, 1)
 
-    x3, dy3 = time_major(x, P), time_major(dy.astype(x.dtype), P)
+    x3, dy3 = (x if conv else time_major(x, P)), time_major(dy.astype(x.dtype), P)
     B3, C3 = time_major(B, N), time_major(C, N)
     def state_tile_layout(v):  # [b, h, p, n] -> float32 [b, h, P, N]; None (zero) stays None
         return None if v is None else common.pad_axis(common.pad_axis(v.astype(F32), 2, P), 3, N)
@@ -197,11 +225,18 @@ def backward(x, dt, A, B, C, D, dt_bias, state, dy, d_state, *, dt_limit, chunk,
     # a None state (zero) is not read and gets no cotangent; a None d_state (zero) is not read
     states = [v for v in (s0, ds) if v is not None]
     state_shape = jax.ShapeDtypeStruct((b, h, P, N), F32)
+    conv_inputs, conv_specs = [], []
+    if conv:
+        head, conv_weight, conv_bias = conv
+        conv_inputs = [head, conv_weight, conv_bias]
+        conv_specs = [pl.BlockSpec((None, L, R * P), lambda i, j, k: (i, 0, j)),
+                      pl.BlockSpec((conv_weight.shape[0], R * P), lambda i, j, k: (0, j)), channels]
     dx, x_dxt, dD, dB, dC, dcs, r_terms, *ds0 = common.call(
         lambda *refs: _kernel(*refs, L=L, chunks=chunks, heads=R, head_width=P, pb=pb, reads_state=s0 is not None,
-                              reads_d_state=ds is not None),
+                              reads_d_state=ds is not None, taps=conv[1].shape[0] if conv else None),
         grid=(b, h // R, vb),
-        in_specs=[columns, columns, per_head, per_head, per_head, group, group, channels] + [state_tiles] * len(states),
+        in_specs=[columns, columns, per_head, per_head, per_head, group, group, channels] + conv_specs
+        + [state_tiles] * len(states),
         out_specs=[columns, per_position, row_channels, partial, partial, per_position, per_position]
         + [state_tiles] * (s0 is not None),
         out_shape=[jax.ShapeDtypeStruct((b, T, h * P), x.dtype), per_position_shape,
@@ -209,7 +244,7 @@ def backward(x, dt, A, B, C, D, dt_bias, state, dy, d_state, *, dt_limit, chunk,
                    jax.ShapeDtypeStruct((b, h // R, vb, T, N), F32), per_position_shape, per_position_shape]
         + [state_shape] * (s0 is not None),
         blocks=blocks, interpret=interpret, name="ssd_chunked_backward",
-    )(x3, dy3, head_major(dt_eff), head_major(a_cum), head_major(a_to_end), B3, C3, D_channels, *states)
+    )(x3, dy3, head_major(dt_eff), head_major(a_cum), head_major(a_to_end), B3, C3, D_channels, *conv_inputs, *states)
 
     dx = dx.reshape(b, T, h, P)[:, :t, :, :p]
     dt_eff = dt_eff[:, :t]
