@@ -398,6 +398,16 @@ def chunked_xbc(xbc, dt, A, *, heads: int, head_dim: int, groups: int, state_siz
     return f(xbc, dt, A, D, dt_bias, state)
 
 
+def _convolved_by_xla(xbc, conv_state, conv_weight, conv_bias, *, e: int, L: int):
+    """What XLA convolves for the kernels that convolve x themselves: B and C (the columns past x's
+    e, read by every head of their group) and x's first L rows (chunk 0, whose window reaches into
+    the conv state), in xbc's dtype."""
+    bc, _ = ref.causal_conv(xbc[..., e:], conv_state[..., e:], conv_weight[:, e:], conv_bias[e:], out_dtype=xbc.dtype)
+    head, _ = ref.causal_conv(xbc[:, :L, :e], conv_state[..., :e], conv_weight[:, :e], conv_bias[:e],
+                              out_dtype=xbc.dtype)
+    return bc, head
+
+
 def _forward_conv(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state, *, offset, dims, dt_limit, blocks,
                   interpret, final_state=True):
     h, p, g, n = dims
@@ -413,11 +423,10 @@ def _forward_conv(proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state
         return y, new_conv_state, state
     # B and C (2*g*n columns, read by every head of their group) are convolved here by XLA; x (h*p
     # columns, each read by one program) is convolved in the kernel, straight from the projection
-    bc, _ = ref.causal_conv(xbc[..., e:], conv_state[..., e:], conv_weight[:, e:], conv_bias[e:], out_dtype=proj.dtype)
-    raw_x, x_weight, x_bias = xbc[..., :e], conv_weight[:, :e], conv_bias[:e]
     # chunk 0 and the partial chunk past the last whole one (when there is one), convolved here:
     # one chunk of rows each, and the kernel's loads stay inside the real rows
-    head, _ = ref.causal_conv(raw_x[:, :L], conv_state[..., :e], x_weight, x_bias, out_dtype=proj.dtype)
+    bc, head = _convolved_by_xla(xbc, conv_state, conv_weight, conv_bias, e=e, L=L)
+    raw_x, x_weight, x_bias = xbc[..., :e], conv_weight[:, :e], conv_bias[:e]
     head = common.pad_axis(head, 1, L)
     full = t // L
     tail = head
@@ -468,11 +477,8 @@ def _differentiable_conv(chunk_size, offset, dims, dt_limit, blocks, interpret, 
                 t=t, chunk=L, head_dim=p, taps=conv_weight.shape[0], offset=offset):
             return None
         xbc, dt = ref.split_projection(proj, offset=offset, heads=h, head_dim=p, groups=g, state_size=n)
-        bc, _ = ref.causal_conv(xbc[..., e:], conv_state[..., e:], conv_weight[:, e:], conv_bias[e:],
-                                out_dtype=proj.dtype)
+        bc, head = _convolved_by_xla(xbc, conv_state, conv_weight, conv_bias, e=e, L=L)
         B, C = (v.reshape(*v.shape[:2], g, n) for v in jnp.split(bc, 2, axis=-1))
-        head, _ = ref.causal_conv(xbc[:, :L, :e], conv_state[..., :e], conv_weight[:, :e], conv_bias[:e],
-                                  out_dtype=proj.dtype)
         dx, d_dt, dA, dB, dC, dD, d_bias, d_state0 = ssd_backward.backward(
             proj, dt, A, B, C, D, dt_bias, state, dy, d_state if final_state else None, dt_limit=dt_limit, chunk=L,
             interpret=interpret, conv=(head, conv_weight[:, :e], conv_bias[:e]))
