@@ -10,6 +10,8 @@
 # Steps (in the order they matter):
 #   check      Pallas kernels compiled for real against their XLA references (benchmarks/kernels.py), and the
 #              SSD backward kernel timed for 1..16 heads per program (the rule behind choose_heads_per_program)
+#   conv       #19/#20: Mamba2's layer SSD with x convolved in the kernel against XLA's conv + the kernel, at
+#              Codestral's inference shapes and the training step's (benchmarks/kernels.py --only conv)
 #   segments   #19: SSD, mLSTM and WKV7 at batch 1 with the sequence split into 1..16 segments (the sweep behind
 #              kernels.common.sequence_segments; T = 4096 is the batch-1 vertical chunk)
 #   breakdown  #19: projection floor, full embed, GEMM/kernel/glue per family (benchmarks/gpu_breakdown.py)
@@ -43,6 +45,7 @@ $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 for s in "$@"; do
     case $s in
         check) step check 360 $PY benchmarks/kernels.py --only check ;;
+        conv) step conv 200 $PY benchmarks/kernels.py --only conv --out "$OUT/conv" ;;
         segments) step segments 340 $PY benchmarks/kernels.py --only sweep --families ssd mlstm wkv7 \
             --sweep-lengths 4096 16384 --out "$OUT/segments" ;;
         breakdown) step breakdown 420 $PY benchmarks/gpu_breakdown.py --families mamba2,rwkv7,xlstm --layers 4 \
@@ -72,6 +75,6 @@ for s in "$@"; do
             cp runs/packages-mamba2-gpu-quality/metrics.jsonl "$OUT/metrics-quality.jsonl" 2>/dev/null
             step quality-table 120 $PY benchmarks/train_quality.py table data/packages/heldout-2000.jsonl \
                 "Mamba2 d256 4L full + mined (GPU)=runs/packages-mamba2-gpu-quality" ;;
-        *) echo "unknown step $s (check, segments, breakdown, memory, dsf, compare, warm, train, quality)"; exit 2 ;;
+        *) echo "unknown step $s (check, conv, segments, breakdown, memory, dsf, compare, warm, train, quality)"; exit 2 ;;
     esac
 done

@@ -4,6 +4,7 @@ the roofline, and end-to-end encode with kernels vs the XLA path. Prints markdow
     python benchmarks/kernels.py                     # everything (needs a GPU; exits 2 without one)
     python benchmarks/kernels.py --only check        # compile + match the references only
     python benchmarks/kernels.py --only ops --families ssd --lengths 4096 16384
+    python benchmarks/kernels.py --only conv          # Mamba2's layer SSD: x convolved in the kernel or by XLA
 
 Operator shapes are those of Codestral Mamba 7B (SSD: 128 heads x 64, 8 groups, n = 128),
 RWKV7 7.2B (WKV7: 64 heads, 64 x 64 state) and xLSTM 7B (mLSTM: 8 heads, k = 256, v = 512), in
@@ -475,6 +476,72 @@ def sweep(rows, families, lengths=(4096, 16384), b=1):
             del args
 
 
+CONV_CASES = (  # Mamba2 layer shapes: (label, b, t, h, p, g, n, carries a state, differentiated)
+    ("Codestral, vertical chunk", 1, 4096, 128, 64, 8, 128, True, False),
+    ("Codestral, 32 x V=512", 32, 512, 128, 64, 8, 128, True, False),
+    ("training 24L d768, fwd + bwd", 192, 256, 24, 64, 1, 128, False, True),
+)
+
+
+def _conv_layer_paths(b, t, h, p, g, n, stateful):
+    """(fused, unfused, proj, conv weight): the two paths of `conv_paths` as functions of the
+    projection's output and the conv weight, on random Mamba2-layer inputs."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxembed import kernels
+    from jaxembed.ops import ssd as ref
+
+    conv_dim, k = h * p + 2 * g * n, 4
+    ks = jax.random.split(jax.random.PRNGKey(b + t), 6)
+    proj = jax.random.normal(ks[0], (b, t, conv_dim + h), jnp.float32).astype(jnp.bfloat16)
+    A = -jnp.exp(jax.random.normal(ks[1], (h,)))
+    conv_state = jnp.zeros((b, k - 1, conv_dim), jnp.bfloat16)
+    weight = (0.5 * jax.random.normal(ks[2], (k, conv_dim))).astype(jnp.bfloat16)
+    bias = (0.1 * jax.random.normal(ks[3], (conv_dim,))).astype(jnp.bfloat16)
+    dims = dict(heads=h, head_dim=p, groups=g, state_size=n)
+    rest = dict(chunk_size=256, D=jnp.ones((h,)), dt_bias=jnp.zeros((h,)),
+                initial_state=jax.random.normal(ks[4], (b, h, p, n)) if stateful else None)
+
+    def fused(proj, weight):
+        return kernels.ssd_conv_chunked(proj, A, conv_state, weight, bias, offset=0, backend="pallas",
+                                        final_state=stateful, **dims, **rest)[0]
+
+    def unfused(proj, weight):
+        xbc, dt = ref.split_projection(proj, offset=0, **dims)
+        xbc, _ = ref.causal_conv(xbc, conv_state, weight, bias, out_dtype=proj.dtype)
+        return kernels.ssd_chunked_xbc(xbc, dt, A, backend="pallas", **dims, **rest)[0]
+
+    return fused, unfused, proj, weight
+
+
+def conv_paths(rows, reps=None):
+    """Mamba2's layer SSD from the projection's output two ways: the kernel that convolves x per
+    chunk itself (`kernels.ssd_conv_chunked`, the layer's path), and XLA's causal conv + SiLU
+    written out, then the kernel on the convolved xbc (`ssd_chunked_xbc`, the path before). At
+    inference shapes (with the carried SSM state) and at the training step's (forward and
+    backward). The fused path saves HBM bytes; this says whether it is also the faster one."""
+    import jax
+    import jax.numpy as jnp
+
+    for label, b, t, h, p, g, n, stateful, differentiated in CONV_CASES:
+        fused, unfused, proj, weight = _conv_layer_paths(b, t, h, p, g, n, stateful)
+        row = dict(case=label, b=b, t=t)
+        for name, fn in (("fused_ms", fused), ("unfused_ms", unfused)):
+            if differentiated:
+                step = jax.jit(jax.grad(lambda proj, weight, fn=fn: jnp.sum(fn(proj, weight).astype(jnp.float32) ** 2),
+                                        argnums=(0, 1)))
+            else:
+                step = jax.jit(fn)
+            try:
+                row[name] = 1e3 * time_jax(step, (proj, weight), reps)
+            except Exception as err:  # an OOM and the like go in the table
+                row[name] = f"{type(err).__name__}: {str(err)[:100]}"
+            jax.clear_caches()
+        rows.append(row)
+        print(row, flush=True)
+
+
 def encode_table(rows, families, layers, lengths):
     """embed() of a 7B-width model (first `layers` layers, random weights, bfloat16), batch 1,
     vertically chunked with V = 4096: Pallas kernels vs the XLA chunked path."""
@@ -517,7 +584,7 @@ def fmt(v, spec=".2f"):
     return "-" if v is None else format(v, spec)
 
 
-def markdown(device, rate, bw, check_rows, op_rows, enc_rows):
+def markdown(device, rate, bw, check_rows, op_rows, enc_rows, conv_rows=()):
     out = [f"Device: {device}; measured bf16 matmul {rate / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s "
            f"(read + write); {time.strftime('%Y-%m-%d')}.", ""]
     timed = [r for r in check_rows if "ms" in r]
@@ -539,6 +606,15 @@ def markdown(device, rate, bw, check_rows, op_rows, enc_rows):
         out += ["| kernel, b x t x d (bf16, rank 16) | kernel ms | XLA form ms | kernel / XLA |", "|---|---|---|---|"]
         out += [f"| {r['family']}, {r['b']} x {r['t']} x {r['d']} | {r['kernel_ms']:.3f} | {r['xla_ms']:.3f} | "
                 f"{r['kernel_ms'] / r['xla_ms']:.2f} |" for r in against_xla]
+        out.append("")
+    if conv_rows:
+        out += ["| Mamba2 layer SSD (b x t) | x convolved in the kernel ms | XLA conv + kernel ms | fused / XLA conv |",
+                "|---|---|---|---|"]
+        for r in conv_rows:
+            f, u = r["fused_ms"], r["unfused_ms"]
+            both = isinstance(f, float) and isinstance(u, float)
+            out.append(f"| {r['case']} ({r['b']} x {r['t']}) | {fmt(f) if isinstance(f, float) else f} | "
+                       f"{fmt(u) if isinstance(u, float) else u} | {fmt(f / u) if both else '-'} |")
         out.append("")
     if op_rows:
         out += ["| operator (model) | b | T | Pallas ms | XLA ms | peer | peer ms | peer / Pallas | roofline ms | "
@@ -563,7 +639,7 @@ def markdown(device, rate, bw, check_rows, op_rows, enc_rows):
 def main(argv=None):
     global REPS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=("check", "sweep", "ops", "encode"), nargs="*", default=None)
+    ap.add_argument("--only", choices=("check", "sweep", "conv", "ops", "encode"), nargs="*", default=None)
     ap.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--lengths", nargs="*", type=int, default=[4096, 16384, 65536])
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 32])
@@ -576,28 +652,30 @@ def main(argv=None):
     args = ap.parse_args(argv)
     device = need_gpu()
     REPS = args.reps
-    sections = set(args.only or ("check", "sweep", "ops", "encode"))
+    sections = set(args.only or ("check", "sweep", "conv", "ops", "encode"))
     rate, bw = ceilings()
     print(f"device {device}: bf16 matmul {rate / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s", flush=True)
     import jax
 
     mem = jax.devices()[0].memory_stats().get("bytes_limit", 64 << 30)
-    check_rows, op_rows, enc_rows, sweep_rows = [], [], [], []
+    check_rows, op_rows, enc_rows, sweep_rows, conv_rows = [], [], [], [], []
     if "check" in sections:
         check(check_rows)
     if "sweep" in sections:
         sweep(sweep_rows, args.families, args.sweep_lengths)
+    if "conv" in sections:
+        conv_paths(conv_rows)
     if "ops" in sections:
         peers = {"mamba_ssm": import_mamba_ssm(args.mamba_src)}
         ops_table(op_rows, args.families, args.lengths, args.batches, peers, rate, bw, mem)
     if "encode" in sections:
         encode_table(enc_rows, args.families, args.encode_layers, args.encode_lengths)
-    table = markdown(device, rate, bw, check_rows, op_rows, enc_rows)
+    table = markdown(device, rate, bw, check_rows, op_rows, enc_rows, conv_rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernels.md").write_text(table + "\n")
     (out / "kernels.json").write_text(json.dumps(dict(device=device, check=check_rows, sweep=sweep_rows, ops=op_rows,
-                                                      encode=enc_rows), indent=1, default=str))
+                                                      encode=enc_rows, conv=conv_rows), indent=1, default=str))
     print(table)
 
 

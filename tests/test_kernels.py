@@ -342,17 +342,21 @@ def test_ssd_conv_gradients_through_the_backward_kernel():
     rng = np.random.default_rng(next(_draws))
     b, h, p, g, n, k = 2, 4, 16, 2, 16, 4
     e, conv_dim = h * p, h * p + 2 * g * n
-    blocks = BlockSizes(chunk=16, value_block=16)
     # 3 chunks: the kernel, on XLA's convolved x (partial chunk, or x not first) or convolving raw x
-    # itself (x first, whole chunks: Mamba2's layer); 9 chunks: the reference
-    for offset, t in ((e, 37), (0, 48), (0, 16 * ssd_backward.MAX_CHUNKS + 5)):
-        assert ssd_backward.can_convolve(t=t, chunk=16, head_dim=p, taps=k, offset=offset) == (t == 48)
+    # itself (x first, whole chunks: Mamba2's layer); 9 chunks: the reference; and a forward chunk of
+    # 64 tokens differentiated in the backward's own chunks of 32 (`ssd_backward.chunk_length`)
+    for offset, t, chunk in ((e, 37, 16), (0, 48, 16), (0, 16 * ssd_backward.MAX_CHUNKS + 5, 16), (0, 64, 64)):
+        blocks = BlockSizes(chunk=chunk, value_block=16)
+        L = ssd_backward.chunk_length(t, chunk)
+        assert L == {37: 16, 48: 16, 64: 32}.get(t)
+        assert (L is not None and ssd_backward.can_convolve(t=t, chunk=L, head_dim=p, taps=k, offset=offset)) == (
+            t in (48, 64))
         kw = dict(offset=offset, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8, dt_limit=(0.05, 2.0))
         args = (_normal(rng, (b, t, offset + conv_dim + h)), -jnp.exp(_normal(rng, (h,))),
                 _normal(rng, (b, k - 1, conv_dim)), _normal(rng, (k, conv_dim), 0.5), _normal(rng, (conv_dim,), 0.3),
                 _normal(rng, (h,)), _normal(rng, (h,), 0.5), _normal(rng, (b, h, p, n)))
 
-        def kernel_fn(proj, A, cs, w, bias, D, dt_bias, s0, kw=kw):
+        def kernel_fn(proj, A, cs, w, bias, D, dt_bias, s0, kw=kw, blocks=blocks):
             return kernels.ssd_conv_chunked(proj, A, cs, w, bias, D=D, dt_bias=dt_bias, initial_state=s0,
                                             backend="interpret", blocks=blocks, **kw)
 

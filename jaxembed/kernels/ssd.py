@@ -1,11 +1,12 @@
 """Chunked SSD (Mamba2) as one Pallas kernel; reference: `jaxembed.ops.ssd.chunked` (same signature).
 
 One program per (batch row b, head h, block of head-dim columns) walks the chunks of L tokens.
-For chunk c, entering with the state S [p, n] (float32, in registers):
+For chunk c, entering with the state S [p, n] (float32, in registers, carried transposed as
+Sᵀ [n, p]: see `_state_step`):
 
     M     = tril(C Bᵀ ∘ exp(a_cum_l - a_cum_s)) diag(dt)          [l, s]   (eq. 8)
     y     = M x + diag(exp(a_cum)) C Sᵀ + D x                    [l, p]   (eqs. 8, 11)
-    S     = exp(a_cum_L) S + (x ∘ dt exp(a_to_end))ᵀ B            [p, n]   (eqs. 9, 10)
+    Sᵀ    = exp(a_cum_L) Sᵀ + Bᵀ (x ∘ dt exp(a_to_end))           [n, p]   (eqs. 9, 10)
 
 The diagonal block, the output correction and the chunk-boundary state are the three products
 of one iteration; the loop is the inter-chunk recurrence. With `segments` > 1 (batch 1: too few
@@ -40,11 +41,15 @@ from jaxembed.ops.common import STATE_SLOT_KEEPS_ITS_STATE, StateSlot, through_s
 F32 = jnp.float32
 
 
-def _state_step(S, x, Bc, dt, a_cum, a_to_end):
-    """The state entering a chunk -> the state leaving it (eqs. 9, 10); S [pb, n] float32."""
+def _state_step(ST, x, Bc, dt, a_cum, a_to_end):
+    """The state entering a chunk -> the state leaving it (eqs. 9, 10), carried transposed: Sᵀ [n, pb]
+    float32. Transposed, every product of the chunk takes x (and w, made from x) as its right-hand
+    operand in one layout. As S [pb, n], wᵀ B wanted x as a transposed left-hand operand, and Triton
+    recomputed a convolved x (`XConv`) in each operand's layout: 2.4x the loop's instructions and 656
+    bytes of register spills per thread at Codestral's shapes, 44 now (benchmarks/kernel_registers.py)."""
     w = (x.astype(F32) * (dt * jnp.exp(a_to_end))[:, None]).astype(x.dtype)  # [s, pb]
     chunk_decay = jnp.exp(jnp.min(a_cum))  # a_cum falls monotonically (A < 0, dt >= 0): min = last
-    return chunk_decay * S + common.dot(w, Bc, trans_a=True)
+    return chunk_decay * ST + common.dot(Bc, w, trans_a=True)
 
 
 class XConv(NamedTuple):
@@ -137,38 +142,38 @@ def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, *refs, 
     causal, _ = common.causal_masks(L)
     D = D_ref[...]  # [pb]
 
-    def chunk(c, x, S):  # x [l, pb], S [pb, n] float32
+    def chunk(c, x, ST):  # x [l, pb], Sᵀ [n, pb] float32
         t = _rows(c, L)
         Bc, Cc = B_ref[t, :], C_ref[t, :]  # [l, n] [l, n]
         dt, a_cum, a_to_end = dt_ref[t], a_cum_ref[t], a_to_end_ref[t]  # [l] float32
         decay = jnp.exp(jnp.minimum(a_cum[:, None] - a_cum[None, :], 0.0))  # [l, s], clamped above the diagonal
         M = jnp.where(causal, common.dot(Cc, Bc, trans_b=True) * decay * dt[None, :], 0.0)
         y = common.dot(M.astype(x.dtype), x)
-        y += jnp.exp(a_cum)[:, None] * common.dot(Cc, S.astype(Cc.dtype), trans_b=True)
+        y += jnp.exp(a_cum)[:, None] * common.dot(Cc, ST.astype(Cc.dtype))
         y += D[None, :] * x.astype(F32)
         y_ref[t, :] = y.astype(y_ref.dtype)
-        return _state_step(S, x, Bc, dt, a_cum, a_to_end)
+        return _state_step(ST, x, Bc, dt, a_cum, a_to_end)
 
     tile = common.state_tile(layer_ref, x_ref.shape[-1], axis=2)  # [pb, n] of [b, h, p, n]
-    S = s0_ref[tile] if reads_state else jnp.zeros((x_ref.shape[-1], B_ref.shape[-1]), F32)
+    ST = s0_ref[tile].T if reads_state else jnp.zeros((B_ref.shape[-1], x_ref.shape[-1]), F32)
     first = 0
-    if segments > 1:
+    if segments > 1:  # the segments' own end states come transposed, [segments - 1, n, pb]
         segment = pl.program_id(3)
-        S = lax.fori_loop(0, segment, lambda j, S: jnp.exp(seg_decay_ref[j]) * S + seg_state_ref[j], S)
+        ST = lax.fori_loop(0, segment, lambda j, ST: jnp.exp(seg_decay_ref[j]) * ST + seg_state_ref[j], ST)
         first = segment * chunks
-    end = _walk_x(x_ref, conv_refs, xconv, L=L, first=first, chunks=chunks, step=chunk, S=S)
+    end = _walk_x(x_ref, conv_refs, xconv, L=L, first=first, chunks=chunks, step=chunk, S=ST)
     if writes_state:
-        s_ref[tile] = end
+        s_ref[tile] = end.T
 
 
 def _segment_state_kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, *refs, L, chunks, xconv):
-    """The end state of segment `program_id(3)` entered with a zero state: the state half of
-    `_kernel`'s loop (one dot per chunk, no outputs per token)."""
+    """The end state of segment `program_id(3)` entered with a zero state, transposed [n, pb]: the
+    state half of `_kernel`'s loop (one dot per chunk, no outputs per token)."""
     conv_refs, (s_ref,) = (refs[:4], refs[4:]) if xconv is not None else ((), refs)
 
-    def chunk(c, x, S):
+    def chunk(c, x, ST):
         t = _rows(c, L)
-        return _state_step(S, x, B_ref[t, :], dt_ref[t], a_cum_ref[t], a_to_end_ref[t])
+        return _state_step(ST, x, B_ref[t, :], dt_ref[t], a_cum_ref[t], a_to_end_ref[t])
 
     s_ref[...] = _walk_x(x_ref, conv_refs, xconv, L=L, first=pl.program_id(3) * chunks, chunks=chunks, step=chunk,
                          S=jnp.zeros(s_ref.shape, F32))
@@ -243,16 +248,16 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
         state_args, state_specs = [], []
     seg_st = pl.BlockSpec((None, None, None, pb, N), lambda i, j, k, s: (i, j, s, k, 0))
     extra_specs, extra_args = [], []
-    if segments > 1:
+    if segments > 1:  # each segment's own end state, transposed [n, p] as the kernels carry it
         seg_states = common.call(
             lambda *refs: _segment_state_kernel(*refs, L=L, chunks=chunks, xconv=xconv),
             grid=(b, h, vb, segments - 1), in_specs=[x_spec, per_head, per_head, per_head, B_spec, *conv_specs],
-            out_specs=seg_st,
-            out_shape=jax.ShapeDtypeStruct((b, h, segments - 1, P, N), F32), blocks=blocks, interpret=interpret,
+            out_specs=pl.BlockSpec((None, None, None, N, pb), lambda i, j, k, s: (i, j, s, 0, k)),
+            out_shape=jax.ShapeDtypeStruct((b, h, segments - 1, N, P), F32), blocks=blocks, interpret=interpret,
             name="ssd_segment_states",
         )(x3, dt, a_cum, a_to_end, B3, *conv_args)
         extra_specs = [pl.BlockSpec((None, segments - 1, None), lambda i, j, k, s: (i, 0, j)),
-                       pl.BlockSpec((None, None, segments - 1, pb, N), lambda i, j, k, s: (i, j, 0, k, 0))]
+                       pl.BlockSpec((None, None, segments - 1, N, pb), lambda i, j, k, s: (i, j, 0, 0, k))]
         extra_args = [segment_decay, seg_states]
     # y time-major with the heads as column blocks [b, T, h*P], the layout of the gated norm that
     # reads it: written [b, T, h, P], XLA converted it to float32 in a pass of its own before the
@@ -327,9 +332,10 @@ def _differentiable(chunk_size, dt_limit, blocks, interpret, final_state=True):
 
     def backward(args, cotangent):
         x, state = args[0], args[7]
-        if isinstance(state, StateSlot) or -(-x.shape[1] // blocks.chunk) > ssd_backward.MAX_CHUNKS:
+        L = ssd_backward.chunk_length(x.shape[1], blocks.chunk)
+        if isinstance(state, StateSlot) or L is None:
             return None
-        return ssd_backward.backward(*args, *cotangent, dt_limit=dt_limit, chunk=blocks.chunk, interpret=interpret)
+        return ssd_backward.backward(*args, *cotangent, dt_limit=dt_limit, chunk=L, interpret=interpret)
 
     return common.with_reference_vjp(forward, reference, backward)
 
@@ -352,7 +358,7 @@ def _differentiable_xbc(chunk_size, dims, dt_limit, blocks, interpret):
 def chunked(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_limit=(0.0, math.inf), initial_state=None,
             blocks: common.BlockSizes | None = None, interpret: bool = False):
     """`ops.ssd.chunked` computed by the Pallas kernel; gradients by the backward kernel
-    (`ssd_backward`) for sequences of at most 8 of its chunks, else `jax.vjp` of the reference
+    (`ssd_backward`) for sequences of at most 8 chunks (`ssd_backward.chunk_length`), else `jax.vjp` of the reference
     (run with chunk_size). Returns (y [b, t, h, p] in x's dtype, final state [b, h, p, n] float32)."""
     ref._heads_per_group(x, B, C)
     if x.ndim != 4 or dt.shape != x.shape[:3] or B.shape[:2] != x.shape[:2]:
@@ -472,8 +478,9 @@ def _differentiable_conv(chunk_size, offset, dims, dt_limit, blocks, interpret, 
         of the reference, which runs the backward kernel on an XLA-convolved x."""
         proj, A, conv_state, conv_weight, conv_bias, D, dt_bias, state = args
         dy, d_conv_state, d_state = cotangent
-        L, e, t = blocks.chunk, h * p, proj.shape[1]
-        if isinstance(state, StateSlot) or not ssd_backward.can_convolve(
+        e, t = h * p, proj.shape[1]
+        L = ssd_backward.chunk_length(t, blocks.chunk)
+        if isinstance(state, StateSlot) or L is None or not ssd_backward.can_convolve(
                 t=t, chunk=L, head_dim=p, taps=conv_weight.shape[0], offset=offset):
             return None
         xbc, dt = ref.split_projection(proj, offset=offset, heads=h, head_dim=p, groups=g, state_size=n)

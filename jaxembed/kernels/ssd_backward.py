@@ -21,6 +21,8 @@ w_j = exp(cs_L - cs_j) and dy the output's cotangent:
            (P's diagonal cancels and is left out; the w terms go to da as a prefix sum)
     dS  <- (exp(cs) ∘ dy)ᵀ C + exp(cs_L) dS                          [pb, n]
 
+(S and dS are carried transposed, [n, pb], like the forward kernel's state: `ssd._state_step`.)
+
 (docs/kernels.md derives them; tests/test_kernels.py checks them against `jax.vjp` of the
 reference.) The state entering chunk c is recomputed from the initial state by the forward
 kernel's state step over chunks 0 .. c-1, so nothing per chunk goes to memory; that is
@@ -45,6 +47,12 @@ from jaxembed.ops import ssd as ref
 F32 = jnp.float32
 MAX_CHUNKS = 8  # longer sequences differentiate through the reference (see the module docstring)
 VALUE_BLOCK = 32  # the backward carries S and dS [pb, n]: half the forward's largest block
+# The program's [L, L] and [L, n] float32 tiles (M, dM, P, decay, dB, dC, ...) live together: at
+# Mamba2's training shapes (n = 128, 192 x 256 tokens) the forward's chunk of 64 with 4 warps spilled
+# 2,440 bytes of registers per thread on an H100 (~1,000 local loads and stores per chunk); chunks of
+# CHUNK tokens with NUM_WARPS warps spill 96 bytes, 28 accesses per chunk (benchmarks/kernel_registers.py)
+CHUNK = 32
+NUM_WARPS = 8
 # A program walks up to MAX_HEADS_PER_PROGRAM heads of a group and sums their dB and dC itself (one
 # float32 partial per head instead would be written and read back: 64x the size of dB at 16 heads
 # of 2 value blocks), while the grid keeps at least MIN_PROGRAMS programs (~4 waves of an H100's
@@ -64,7 +72,7 @@ def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref,
     s0_ref, refs = (refs[0], refs[1:]) if reads_state else (None, refs)
     ds_ref, refs = (refs[0], refs[1:]) if reads_d_state else (None, refs)
     dx_ref, x_dxt_ref, dD_ref, dB_ref, dC_ref, dcs_ref, r_ref, *ds0_ref = refs
-    zero_state = jnp.zeros((pb, B_ref.shape[-1]), F32)
+    zero_state = jnp.zeros((B_ref.shape[-1], pb), F32)  # Sᵀ and dSᵀ [n, pb], carried transposed as the forward does
     causal, strict = common.causal_masks(L)
     last = lax.broadcasted_iota(jnp.int32, (L,), 0) == L - 1
     value_block = pl.program_id(2)
@@ -93,13 +101,13 @@ def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref,
                 t = _rows(k, L)
                 return _state_step(S, x_of(k, cols), B_ref[t, :], dt_ref[j, t], a_cum_ref[j, t],
                                    a_to_end_ref[j, t])
-            return lax.fori_loop(0, c, step, s0_ref[j] if reads_state else zero_state)
+            return lax.fori_loop(0, c, step, s0_ref[j].T if reads_state else zero_state)
 
         def chunk(i, carry):
-            dS, dD = carry
+            dST, dD = carry
             c = chunks - 1 - i
             t = _rows(c, L)
-            S = entering(c)
+            ST = entering(c)
             x, dy = x_of(c, cols), dy_ref[t, cols]  # [l, pb]
             Bc, Cc = B_ref[t, :], C_ref[t, :]  # [l, n]
             dt, a_cum, a_to_end = dt_ref[j, t], a_cum_ref[j, t], a_to_end_ref[j, t]  # [l]
@@ -108,7 +116,7 @@ def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref,
             M = common.dot(Cc, Bc, trans_b=True) * decay
             xdt = x.astype(F32) * dt[:, None]  # X̃
             w, e = jnp.exp(a_to_end), jnp.exp(a_cum)
-            dSB = common.dot(Bc, dS.astype(Bc.dtype), trans_b=True)  # [l, pb]: B_j dSᵀ
+            dSB = common.dot(Bc, dST.astype(Bc.dtype))  # [l, pb]: B_j dSᵀ
             dxt = common.dot(M.astype(cdt), dy.astype(cdt), trans_a=True) + w[:, None] * dSB  # dX̃
             # dx and dt's share Σ_p x dX̃ here, so that dX̃ (float32) never goes to memory
             dx_ref[t, cols] = (dt[:, None] * dxt + dy.astype(F32) * D[None, :]).astype(dx_ref.dtype)
@@ -118,29 +126,40 @@ def _kernel(x_ref, dy_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref,
             # folds dt into M the same way), so X̃ is never rounded to the activation dtype
             dM = jnp.where(causal, common.dot(dy.astype(cdt), x, trans_b=True) * dt[None, :], 0.0)
             dML = (dM * decay).astype(Bc.dtype)
-            SC = common.dot(Cc, S.astype(Cc.dtype), trans_b=True)  # [l, pb]: S C_i
-            accumulate(dC_ref, t, common.dot(dML, Bc) + e[:, None] * common.dot(dy.astype(cdt), S.astype(cdt)))
+            SC = common.dot(Cc, ST.astype(Cc.dtype))  # [l, pb]: S C_i
+            accumulate(dC_ref, t, common.dot(dML, Bc)
+                       + e[:, None] * common.dot(dy.astype(cdt), ST.astype(cdt), trans_b=True))
             accumulate(dB_ref, t, common.dot(dML, Cc, trans_a=True)
-                       + (w * dt)[:, None] * common.dot(x, dS.astype(cdt)))
+                       + (w * dt)[:, None] * common.dot(x, dST.astype(cdt), trans_b=True))
             # L_ii = 1 whatever cs is: the diagonal's row and column terms cancel exactly, so they are
             # left out rather than added and subtracted (under strong decay they dominate P, and their
             # float32 remainder piled up in da)
             P = jnp.where(strict, dM * M, 0.0)
             end = jnp.sum(jnp.where(last, e, 0.0))  # exp(cs_L), a scalar
             dcs = jnp.sum(P, axis=1) - jnp.sum(P, axis=0) + e * jnp.sum(dy.astype(F32) * SC, axis=1)
-            dcs_ref[j, t] = jnp.where(last, dcs + end * jnp.sum(dS * S), dcs)
+            dcs_ref[j, t] = jnp.where(last, dcs + end * jnp.sum(dST * ST), dcs)
             # w's terms, -r_i at every row and Σ r on the last, add up in da to an exclusive prefix sum
             # of r: written apart and summed that way by XLA, without the cancellation
             r_ref[j, t] = w * jnp.sum(xdt * dSB, axis=1)
-            return common.dot((e[:, None] * dy.astype(F32)).astype(Cc.dtype), Cc, trans_a=True) + end * dS, dD
+            return common.dot(Cc, (e[:, None] * dy.astype(F32)).astype(Cc.dtype), trans_a=True) + end * dST, dD
 
-        ds0, dD_ref[cols] = lax.fori_loop(0, chunks, chunk, (ds_ref[j] if reads_d_state else zero_state,
+        ds0, dD_ref[cols] = lax.fori_loop(0, chunks, chunk, (ds_ref[j].T if reads_d_state else zero_state,
                                                              jnp.zeros((pb,), F32)))
         if reads_state:
-            ds0_ref[0][j] = ds0
+            ds0_ref[0][j] = ds0.T
         return carry
 
     lax.fori_loop(0, heads, head, 0)
+
+
+def chunk_length(t: int, forward_chunk: int) -> int | None:
+    """The backward's own chunk for t tokens (its math holds for any chunking): CHUNK (or the
+    forward's, when smaller) while t fits in MAX_CHUNKS of them, else the forward's chunk while it
+    fits; None when neither does (the reference's backward then)."""
+    for L in (min(CHUNK, forward_chunk), forward_chunk):
+        if -(-t // L) <= MAX_CHUNKS:
+            return L
+    return None
 
 
 def can_convolve(*, t: int, chunk: int, head_dim: int, taps: int, offset: int) -> bool:
@@ -220,7 +239,7 @@ def backward(x, dt, A, B, C, D, dt_bias, state, dy, d_state, *, dt_limit, chunk,
     state_tiles = pl.BlockSpec((None, R, pb, N), lambda i, j, k: (i, j, k, 0))
     partial = pl.BlockSpec((None, None, None, T, N), lambda i, j, k: (i, j, k, 0, 0))
     per_position = pl.BlockSpec((None, R, None, T), lambda i, j, k: (i, j, k, 0))
-    blocks = common.BlockSizes(chunk=L, value_block=pb, num_warps=4, num_stages=1)
+    blocks = common.BlockSizes(chunk=L, value_block=pb, num_warps=NUM_WARPS, num_stages=1)
     per_position_shape = jax.ShapeDtypeStruct((b, h, vb, T), F32)
     # a None state (zero) is not read and gets no cotangent; a None d_state (zero) is not read
     states = [v for v in (s0, ds) if v is not None]
