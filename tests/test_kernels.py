@@ -317,10 +317,11 @@ def test_ssd_convolving_raw_x_in_the_kernel_matches_the_recurrence(dtype):
         np.testing.assert_array_equal(np.asarray(conv_out), np.asarray(conv_ref))
 
 
-def _assert_same_vjp(kernel_fn, reference_fn, args, names: str, label):
-    """The kernel's outputs and every input's cotangent, from the same random output cotangents,
-    against the reference's in float32 (each cotangent non-zero). Returns the cotangents' seed."""
-    seed = next(_draws)
+def _assert_same_vjp(kernel_fn, reference_fn, args, names: str, label, seed=None):
+    """The kernel's outputs and every input's cotangent, from the same random output cotangents
+    (drawn from `seed`, by default the next of `_draws`), against the reference's in float32 (each
+    cotangent non-zero). Returns the cotangents' seed."""
+    seed = next(_draws) if seed is None else seed
     out, grads = jax.jit(lambda *a: _vjp(kernel_fn, a, seed))(*args)
     ref_out, ref_grads = jax.jit(lambda *a: _vjp(reference_fn, a, seed))(*args)
     for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref_out), strict=True):
@@ -342,21 +343,17 @@ def test_ssd_conv_gradients_through_the_backward_kernel():
     rng = np.random.default_rng(next(_draws))
     b, h, p, g, n, k = 2, 4, 16, 2, 16, 4
     e, conv_dim = h * p, h * p + 2 * g * n
+    blocks = BlockSizes(chunk=16, value_block=16)
     # 3 chunks: the kernel, on XLA's convolved x (partial chunk, or x not first) or convolving raw x
-    # itself (x first, whole chunks: Mamba2's layer); 9 chunks: the reference; and a forward chunk of
-    # 64 tokens differentiated in the backward's own chunks of 32 (`ssd_backward.chunk_length`)
-    for offset, t, chunk in ((e, 37, 16), (0, 48, 16), (0, 16 * ssd_backward.MAX_CHUNKS + 5, 16), (0, 64, 64)):
-        blocks = BlockSizes(chunk=chunk, value_block=16)
-        L = ssd_backward.chunk_length(t, chunk)
-        assert L == {37: 16, 48: 16, 64: 32}.get(t)
-        assert (L is not None and ssd_backward.can_convolve(t=t, chunk=L, head_dim=p, taps=k, offset=offset)) == (
-            t in (48, 64))
+    # itself (x first, whole chunks: Mamba2's layer); 9 chunks: the reference
+    for offset, t in ((e, 37), (0, 48), (0, 16 * ssd_backward.MAX_CHUNKS + 5)):
+        assert ssd_backward.can_convolve(t=t, chunk=16, head_dim=p, taps=k, offset=offset) == (t == 48)
         kw = dict(offset=offset, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8, dt_limit=(0.05, 2.0))
         args = (_normal(rng, (b, t, offset + conv_dim + h)), -jnp.exp(_normal(rng, (h,))),
                 _normal(rng, (b, k - 1, conv_dim)), _normal(rng, (k, conv_dim), 0.5), _normal(rng, (conv_dim,), 0.3),
                 _normal(rng, (h,)), _normal(rng, (h,), 0.5), _normal(rng, (b, h, p, n)))
 
-        def kernel_fn(proj, A, cs, w, bias, D, dt_bias, s0, kw=kw, blocks=blocks):
+        def kernel_fn(proj, A, cs, w, bias, D, dt_bias, s0, kw=kw):
             return kernels.ssd_conv_chunked(proj, A, cs, w, bias, D=D, dt_bias=dt_bias, initial_state=s0,
                                             backend="interpret", blocks=blocks, **kw)
 
@@ -364,6 +361,34 @@ def test_ssd_conv_gradients_through_the_backward_kernel():
             return ssd.conv_chunked(proj, A, cs, w, bias, D=D, dt_bias=dt_bias, initial_state=s0, **kw)
 
         _assert_same_vjp(kernel_fn, reference_fn, args, "proj A conv_state w bias D dt_bias s0", t)
+
+
+def test_ssd_backward_walks_its_own_chunks():
+    """The backward kernel chunks the sequence itself (`ssd_backward.chunk_length`): a forward in
+    chunks of 64 differentiated in chunks of 32 (2 of them, raw x convolved in the kernel), every
+    cotangent against `jax.vjp` of `ops.ssd.conv_chunked`; and the rule's choices."""
+    from jaxembed.kernels import ssd_backward
+
+    assert ssd_backward.chunk_length(256, 64) == 32 and ssd_backward.chunk_length(257, 64) == 64
+    assert ssd_backward.chunk_length(48, 16) == 16 and ssd_backward.chunk_length(513, 64) is None
+    rng = np.random.default_rng(20261126)  # not from _draws: the tests after it keep their streams
+    b, h, p, g, n, k, t = 2, 4, 16, 2, 16, 4, 64
+    conv_dim = h * p + 2 * g * n
+    assert ssd_backward.chunk_length(t, 64) == 32 and ssd_backward.can_convolve(t=t, chunk=32, head_dim=p, taps=k,
+                                                                                offset=0)
+    kw = dict(offset=0, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=8, dt_limit=(0.05, 2.0))
+    args = (_normal(rng, (b, t, conv_dim + h)), -jnp.exp(_normal(rng, (h,))), _normal(rng, (b, k - 1, conv_dim)),
+            _normal(rng, (k, conv_dim), 0.5), _normal(rng, (conv_dim,), 0.3), _normal(rng, (h,)),
+            _normal(rng, (h,), 0.5), _normal(rng, (b, h, p, n)))
+
+    def kernel_fn(proj, A, cs, w, bias, D, dt_bias, s0):
+        return kernels.ssd_conv_chunked(proj, A, cs, w, bias, D=D, dt_bias=dt_bias, initial_state=s0,
+                                        backend="interpret", blocks=BlockSizes(chunk=64, value_block=16), **kw)
+
+    def reference_fn(proj, A, cs, w, bias, D, dt_bias, s0):
+        return ssd.conv_chunked(proj, A, cs, w, bias, D=D, dt_bias=dt_bias, initial_state=s0, **kw)
+
+    _assert_same_vjp(kernel_fn, reference_fn, args, "proj A conv_state w bias D dt_bias s0", t, seed=20261126)
 
 
 def test_ssd_conv_fresh_state_is_neither_read_nor_written():
