@@ -643,6 +643,29 @@ def test_conv_ssd_reads_the_projection_in_place_at_codestral_shapes():
     assert "dynamic_slice" not in lowered and "dynamic_update_slice" not in lowered
 
 
+def test_mlstm_matvec_on_the_tensor_cores_keeps_float32_precision():
+    """`kernels.mlstm._matvec` (q n and n's update kᵀ w on the tensor cores): for bfloat16 x, within
+    2^-16 of the float64 product relative to Σ|x||vec|, which rounding vec to bfloat16 alone misses
+    by ~30x; float32 x keeps the elementwise float32 product."""
+    from jaxembed.kernels import mlstm as k_mlstm
+
+    rng = np.random.default_rng(20261127)  # not from _draws: the tests after it keep their streams
+    x = jnp.asarray(rng.standard_normal((48, 40)), jnp.bfloat16)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    for trans, size in ((False, 40), (True, 48)):
+        vec = jnp.asarray(rng.standard_normal(size) * np.exp(rng.uniform(-3, 3, size)), jnp.float32)
+        v64 = np.asarray(vec, np.float64)
+        want = x64.T @ v64 if trans else x64 @ v64
+        scale = (np.abs(x64).T @ np.abs(v64) if trans else np.abs(x64) @ np.abs(v64)).max()
+        got = np.asarray(k_mlstm._matvec(x, vec, trans=trans), np.float64)
+        assert np.abs(got - want).max() / scale < 2.0**-16, (trans, np.abs(got - want).max() / scale)
+        rounded = x64.T @ np.asarray(vec.astype(jnp.bfloat16).astype(jnp.float32), np.float64) if trans else (
+            x64 @ np.asarray(vec.astype(jnp.bfloat16).astype(jnp.float32), np.float64))
+        assert np.abs(rounded - want).max() / scale > 30 * np.abs(got - want).max() / scale
+        got32 = k_mlstm._matvec(x.astype(jnp.float32), vec, trans=trans)
+        np.testing.assert_allclose(np.asarray(got32), want, rtol=0, atol=1e-5 * scale)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mlstm_split_into_sequence_segments_matches_the_recurrence(dtype):
     """mLSTM with the sequence in segments: each segment's own stabilised end state (C, n, m) from

@@ -13,7 +13,8 @@ in-chunk cumulative log forget gate and i the input gate preactivations (float32
 exactly `ops.mlstm.chunk_output`, `chunk_local_states` and `chunk_states` fused per chunk. The
 normaliser needs all of n, so every program keeps the full n [k] (a vector) next to its C block.
 Matmul operands are in the activation dtype (the carried C is cast for q̂ C); gates, the D
-matrix, n, m and the accumulation are float32.
+matrix, n, m and the accumulation are float32. The two products with n-sized vectors, q̂ n and
+n's own update kᵀ w, run on the tensor cores at (near) float32 precision (`_matvec`).
 """
 
 from __future__ import annotations
@@ -39,14 +40,30 @@ def _merge(C, n, m, log_f, C_own, n_own, m_own):
     return old * C + new * C_own, old * n + new * n_own, m_new
 
 
+def _matvec(x, vec, *, trans: bool = False):
+    """x vec (x [l, k], vec [k]) or, with trans, xᵀ vec (x [s, k], vec [s]), for a float32 vec ->
+    float32. For bfloat16 x on the tensor cores: vec split into bfloat16 hi + lo (16 of float32's 24
+    mantissa bits; their products with x are exact) as columns 0 and 1 of a [., 16] operand. As an
+    elementwise product and sum, each use held a [64, 256] float32 tile in registers: 412 bytes of
+    spills per thread at xLSTM 7B's shapes, 172 this way (benchmarks/kernel_registers.py)."""
+    if x.dtype != jnp.bfloat16:  # a float32 dot would run as TF32 on the GPU, float16 lacks the range
+        return jnp.sum(x.astype(F32) * (vec[:, None] if trans else vec[None, :]), axis=0 if trans else 1)
+    hi = vec.astype(x.dtype)
+    lo = (vec - hi.astype(F32)).astype(x.dtype)
+    column = lax.broadcasted_iota(jnp.int32, (vec.shape[0], 16), 1)
+    rhs = jnp.where(column == 0, hi[:, None], jnp.where(column == 1, lo[:, None], 0.0).astype(x.dtype))
+    return jnp.sum(common.dot(x, rhs, trans_a=trans), axis=1)
+
+
 def _state_step(carry, k, v, ig, bc):
     """The state entering a chunk -> the state leaving it: the chunk's own end state, stabilised
     by its own max, merged with the decayed entering one."""
     bc_end = jnp.min(bc)  # bc falls monotonically (log σ(f) <= 0): min = the chunk's last entry
     a = bc_end - bc + ig  # [s]
     m_loc = jnp.max(a)
-    kw = k.astype(F32) * jnp.exp(a - m_loc)[:, None]  # [s, k]
-    return _merge(*carry, bc_end, common.dot(kw.astype(v.dtype), v, trans_a=True), jnp.sum(kw, axis=0), m_loc)
+    weight = jnp.exp(a - m_loc)  # [s]
+    kw = (k.astype(F32) * weight[:, None]).astype(v.dtype)  # [s, k]
+    return _merge(*carry, bc_end, common.dot(kw, v, trans_a=True), _matvec(k, weight, trans=True), m_loc)
 
 
 def _kernel(q_ref, k_ref, v_ref, i_ref, bc_ref, C0_ref, *refs, L, chunks, segments, scale, eps, in_place):
@@ -73,7 +90,7 @@ def _kernel(q_ref, k_ref, v_ref, i_ref, bc_ref, C0_ref, *refs, L, chunks, segmen
         S = common.dot(q, k, trans_b=True) * (D * scale)  # [l, s]
         w = jnp.exp(log_inter - m_row) * scale  # the entering state's weight (<= 1) and q's scale
         num = common.dot(S.astype(v.dtype), v) + w[:, None] * common.dot(q, C.astype(q.dtype))
-        den = jnp.sum(S, axis=1) + w * jnp.sum(q.astype(F32) * n[None, :], axis=1)
+        den = jnp.sum(S, axis=1) + w * _matvec(q, n)
         h = num / (jnp.maximum(jnp.abs(den), jnp.exp(-m_row)) + eps)[:, None]
         h_ref[t, :] = h.astype(h_ref.dtype)
         return _state_step(carry, k, v, ig, bc)
