@@ -1,4 +1,4 @@
-"""Chunkwise mLSTM (xLSTM) as one Pallas kernel; reference: `jaxembed.ops.mlstm.chunked` (same signature).
+"""Chunkwise mLSTM (xLSTM) as Pallas kernels; reference: `jaxembed.ops.mlstm.chunked` (same signature).
 
 One program per (batch row b, head h, block of value columns) walks the chunks of L tokens
 carrying the stabilised state (C [k, v], n [k], m) in registers. For one chunk, with bc the
@@ -12,6 +12,12 @@ in-chunk cumulative log forget gate and i the input gate preactivations (float32
 
 exactly `ops.mlstm.chunk_output`, `chunk_local_states` and `chunk_states` fused per chunk. The
 normaliser needs all of n, so every program keeps the full n [k] (a vector) next to its C block.
+
+The intra-chunk scores q̂ kᵀ ∘ D do not depend on the value columns, and at xLSTM 7B's shapes
+(v = 512, blocks of 32) each of 16 programs of a head computed them again: half the chunk loop's
+instructions. `_scores_kernel` computes them once per (row, head, chunk), stabilised by the row's
+own max m'_t = max_{s<=t} (bc_t - bc_s + i_s), and writes them in v's dtype with m' and their row
+sums; the loop rescales by exp(m'_t - m_t) <= 1 after the product with v, as D = D' exp(m'_t - m_t).
 Matmul operands are in the activation dtype (the carried C is cast for q̂ C); gates, the D
 matrix, n, m and the accumulation are float32. The two products with n-sized vectors, q̂ n and
 n's own update kᵀ w, run on the tensor cores at (near) float32 precision (`_matvec`).
@@ -66,31 +72,44 @@ def _state_step(carry, k, v, ig, bc):
     return _merge(*carry, bc_end, common.dot(kw, v, trans_a=True), _matvec(k, weight, trans=True), m_loc)
 
 
+def _scores_kernel(q_ref, k_ref, i_ref, bc_ref, S_ref, m_ref, den_ref, *, L, scale):
+    """Chunk `program_id(2)`'s intra-chunk scores, which no value column changes: S' = (q kᵀ ∘ D')
+    scale [l, s] in v's dtype, D' = tril(exp(bc_t - bc_s + i_s - m'_t)) stabilised by the row's own
+    max m'_t = max_{s<=t} (bc_t - bc_s + i_s) (so D' <= 1), m' and the row sums of S' (float32)."""
+    causal, _ = common.causal_masks(L)
+    ig, bc = i_ref[...], bc_ref[...]
+    log_d = bc[:, None] - bc[None, :] + ig[None, :]  # [l, s]
+    m_intra = jnp.max(jnp.where(causal, log_d, -jnp.inf), axis=1)
+    D = jnp.where(causal, jnp.exp(jnp.minimum(log_d - m_intra[:, None], 0.0)), 0.0)
+    S = common.dot(q_ref[...], k_ref[...], trans_b=True) * (D * scale)
+    S_ref[...] = S.astype(S_ref.dtype)
+    m_ref[...] = m_intra
+    den_ref[...] = jnp.sum(S, axis=1)
+
+
 def _kernel(q_ref, k_ref, v_ref, i_ref, bc_ref, C0_ref, *refs, L, chunks, segments, scale, eps, in_place):
     """Segment `program_id(3)` of the sequence (all of it when segments == 1), `chunks` chunks,
     entered with the initial state merged with the own end states of the segments before it.
     `in_place`: the C refs are the stack of every layer's C, and `layer_ref` says whose entry
-    (`common.state_tile`)."""
+    (`common.state_tile`). The intra-chunk scores come from `_scores_kernel`."""
     layer_ref, n0_ref, m0_ref, *refs = refs if in_place else (None, *refs)
     if segments > 1:
-        seg_f_ref, seg_C_ref, seg_n_ref, seg_m_ref, h_ref, C_ref, n_ref, m_ref = refs
-    else:
-        h_ref, C_ref, n_ref, m_ref = refs
-    causal, _ = common.causal_masks(L)
+        seg_f_ref, seg_C_ref, seg_n_ref, seg_m_ref, *refs = refs
+    S_ref, m_intra_ref, den_intra_ref, h_ref, C_ref, n_ref, m_ref = refs
 
     def chunk(c, carry):
         C, n, m = carry  # [k, vb] [k] [] float32
         t = pl.ds(pl.multiple_of(c * L, L), L)
         q, k, v = q_ref[t, :], k_ref[t, :], v_ref[t, :]  # [l, k] [l, k] [l, vb]
         ig, bc = i_ref[t], bc_ref[t]  # [l]
-        log_d = bc[:, None] - bc[None, :] + ig[None, :]  # [l, s]
-        log_inter = bc + m
-        m_row = jnp.maximum(log_inter, jnp.max(jnp.where(causal, log_d, -jnp.inf), axis=1))
-        D = jnp.where(causal, jnp.exp(jnp.minimum(log_d - m_row[:, None], 0.0)), 0.0)
-        S = common.dot(q, k, trans_b=True) * (D * scale)  # [l, s]
+        # the row max under the entering state: m_t = max(bc_t + m, m'_t); the scores, stabilised by
+        # m'_t, are rescaled by exp(m'_t - m_t) <= 1 after their product with v
+        log_inter, m_intra = bc + m, m_intra_ref[t]
+        m_row = jnp.maximum(log_inter, m_intra)
+        intra = jnp.exp(m_intra - m_row)
         w = jnp.exp(log_inter - m_row) * scale  # the entering state's weight (<= 1) and q's scale
-        num = common.dot(S.astype(v.dtype), v) + w[:, None] * common.dot(q, C.astype(q.dtype))
-        den = jnp.sum(S, axis=1) + w * _matvec(q, n)
+        num = intra[:, None] * common.dot(S_ref[t, :], v) + w[:, None] * common.dot(q, C.astype(q.dtype))
+        den = intra * den_intra_ref[t] + w * _matvec(q, n)
         h = num / (jnp.maximum(jnp.abs(den), jnp.exp(-m_row)) + eps)[:, None]
         h_ref[t, :] = h.astype(h_ref.dtype)
         return _state_step(carry, k, v, ig, bc)
@@ -173,18 +192,30 @@ def _forward(q, k, v, i, f, C0, n0, m0, *, eps, blocks, interpret):
                        pl.BlockSpec((None, None, segments - 1, None, K), lambda x, y, z, s: (x, y, 0, z, 0)),
                        pl.BlockSpec((None, None, segments - 1, None), lambda x, y, z, s: (x, y, 0, z))]
         extra_args = [segment_log_f, *own]
+    # the intra-chunk scores once per (row, head, chunk), not once per value block
+    chunk_keys = pl.BlockSpec((None, L, None, K), lambda x, y, c: (x, c, y, 0))
+    chunk_gates = pl.BlockSpec((None, None, L), lambda x, y, c: (x, y, c))
+    scores = common.call(
+        lambda *refs: _scores_kernel(*refs, L=L, scale=dk**-0.5), grid=(b, h, T // L),
+        in_specs=[chunk_keys, chunk_keys, chunk_gates, chunk_gates],
+        out_specs=[pl.BlockSpec((None, None, L, L), lambda x, y, c: (x, y, c, 0)), chunk_gates, chunk_gates],
+        out_shape=[jax.ShapeDtypeStruct((b, h, T, L), v.dtype), jax.ShapeDtypeStruct((b, h, T), F32),
+                   jax.ShapeDtypeStruct((b, h, T), F32)],
+        blocks=blocks, interpret=interpret, name="mlstm_scores",
+    )(qp, kp, ig, bc)
+    score_specs = [pl.BlockSpec((None, None, T, L), lambda x, y, z, s: (x, y, 0, 0)), gates, gates]
     hh, C, n, m = common.call(
         lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments, scale=dk**-0.5, eps=eps,
                               in_place=in_place),
         grid=(b, h, nvb, segments),
-        in_specs=[keys, keys, values, gates, gates, *C_specs, n_in, m_in, *extra_specs],
+        in_specs=[keys, keys, values, gates, gates, *C_specs, n_in, m_in, *extra_specs, *score_specs],
         out_specs=[values, pl.BlockSpec() if in_place else C_out, n_out, m_out],
         out_shape=[jax.ShapeDtypeStruct((b, T, h, V), v.dtype),
                    jax.ShapeDtypeStruct(C_args[0].shape if in_place else (b, h, segments, K, V), F32),
                    jax.ShapeDtypeStruct((b, h, segments, nvb, K), F32),
                    jax.ShapeDtypeStruct((b, h, segments, nvb), F32)],
         blocks=blocks, interpret=interpret, name="mlstm_chunked", input_output_aliases={5: 1} if in_place else None,
-    )(qp, kp, vp, ig, bc, *C_args, n0p, m0, *extra_args)
+    )(qp, kp, vp, ig, bc, *C_args, n0p, m0, *extra_args, *scores)
     C = StateSlot(C, C0.layer) if in_place else C[:, :, -1, :dk, :dv]
     return hh[:, :t, :, :dv], ref.State(C, n[:, :, -1, 0, :dk], m[:, :, -1, 0])
 
