@@ -274,8 +274,10 @@ BACKWARD_TIMING_SHAPE = (192, 256, 16, 64, 1, 128)  # (b, t, h, p, g, n): a trai
 
 def check_ssd_backward_heads(rows):
     """The SSD backward kernel with programs walking 1, 2 and 4 heads of a group (summing dB and dC on
-    chip) against `jax.vjp` of the XLA reference, then timed at the training step's shape (192 texts
-    x 256 tokens, 16 heads of 64, n 128) for each count the rule could pick, beside the rule's pick."""
+    chip), in chunks of 64 and of 32, against `jax.vjp` of the XLA reference; then timed at the
+    training step's shape (192 texts x 256 tokens, 16 heads of 64, n 128) for each count the rule
+    could pick in the chunk `ssd_backward.chunk_length` picks, and the rule's count in chunks of 64
+    (the backward's chunk until session 18)."""
     import math
 
     import jax
@@ -298,29 +300,31 @@ def check_ssd_backward_heads(rows):
         return ref.chunked(x, dt, A, B, C, chunk_size=64, D=D, dt_bias=dt_bias, initial_state=s0)
 
     for dtype in (jnp.float32, jnp.bfloat16):
-        a = case(2, 300, 8, 64, 2, 64, dtype, 11)
+        a = case(2, 250, 8, 64, 2, 64, dtype, 11)  # 4 chunks of 64, 8 of 32, the last partly padding
         upcast = [v.astype(jnp.float32) for v in a]
         with jax.default_matmul_precision("highest"):
             want = jax.jit(lambda *v: jax.vjp(reference, *v[:8])[1]((v[8], v[9])))(*upcast)
-            for heads in (1, 2, 4):
-                got = jax.jit(lambda *v, heads=heads: ssd_backward.backward(
-                    *v, dt_limit=(0.0, math.inf), chunk=64, interpret=False, heads_per_program=heads))(*a)
+            for chunk, heads in ((64, 1), (64, 2), (64, 4), (32, 1), (32, 4)):
+                got = jax.jit(lambda *v, heads=heads, chunk=chunk: ssd_backward.backward(
+                    *v, dt_limit=(0.0, math.inf), chunk=chunk, interpret=False, heads_per_program=heads))(*a)
                 err = max(rel_err(gv.astype(jnp.float32), w) for gv, w in zip(got, want, strict=True))
-                rows.append(dict(family=f"ssd_backward ({heads} heads/program)", dtype=jnp.dtype(dtype).name, b=2,
-                                 t=300, grad_rel_err=err, grad_finite=bool(all(
+                rows.append(dict(family=f"ssd_backward (L {chunk}, {heads} heads/program)",
+                                 dtype=jnp.dtype(dtype).name, b=2, t=250, grad_rel_err=err, grad_finite=bool(all(
                                      jnp.all(jnp.isfinite(gv.astype(jnp.float32))) for gv in got))))
-                print(f"check ssd_backward {jnp.dtype(dtype).name:8s} heads/program {heads}: grad {err:.2e}",
+                print(f"check ssd_backward {jnp.dtype(dtype).name:8s} L {chunk} heads/program {heads}: grad {err:.2e}",
                       flush=True)
     b, t, h, p, g, n = BACKWARD_TIMING_SHAPE
     a = case(b, t, h, p, g, n, jnp.bfloat16, 12)
     pick = ssd_backward.choose_heads_per_program(batch=b, heads=h, heads_per_group=h // g, value_blocks=2)
-    for heads in (1, 2, 4, 8, 16):
-        fn = jax.jit(lambda *v, heads=heads: ssd_backward.backward(
-            *v, dt_limit=(0.0, math.inf), chunk=64, interpret=False, heads_per_program=heads))
+    rule_chunk = ssd_backward.chunk_length(t, 64)
+    for chunk, heads in [(rule_chunk, heads) for heads in (1, 2, 4, 8, 16)] + [(64, pick)]:
+        fn = jax.jit(lambda *v, heads=heads, chunk=chunk: ssd_backward.backward(
+            *v, dt_limit=(0.0, math.inf), chunk=chunk, interpret=False, heads_per_program=heads))
         ms = time_jax(fn, a) * 1e3
-        rows.append(dict(family="ssd_backward", b=b, t=t, heads=heads, ms=ms, pick=heads == pick))
-        print(f"time ssd_backward {b}x{t} h{h} p{p} n{n} heads/program {heads:2d}: {ms:.3f} ms"
-              f"{'  (the rule picks this)' if heads == pick else ''}", flush=True)
+        rows.append(dict(family="ssd_backward", b=b, t=t, chunk=chunk, heads=heads, ms=ms,
+                         pick=heads == pick and chunk == rule_chunk))
+        print(f"time ssd_backward {b}x{t} h{h} p{p} n{n} L {chunk} heads/program {heads:2d}: {ms:.3f} ms"
+              f"{'  (the rules pick this)' if rows[-1]['pick'] else ''}", flush=True)
 
 
 def check_stacked_lora_input(rows):
@@ -598,8 +602,9 @@ def markdown(device, rate, bw, check_rows, op_rows, enc_rows, conv_rows=()):
                 f"{r.get('grad_finite', '-')} |" for r in checked]
         out.append("")
     if timed:
-        out += ["| SSD backward kernel, b x t | heads per program | ms | the rule's pick |", "|---|---|---|---|"]
-        out += [f"| {r['b']} x {r['t']} | {r['heads']} | {r['ms']:.3f} | {'yes' if r['pick'] else ''} |"
+        out += ["| SSD backward kernel, b x t | chunk L | heads per program | ms | the rules' pick |",
+                "|---|---|---|---|---|"]
+        out += [f"| {r['b']} x {r['t']} | {r['chunk']} | {r['heads']} | {r['ms']:.3f} | {'yes' if r['pick'] else ''} |"
                 for r in timed]
         out.append("")
     if against_xla:
