@@ -50,8 +50,9 @@ def _matvec(x, vec, *, trans: bool = False):
     """x vec (x [l, k], vec [k]) or, with trans, xᵀ vec (x [s, k], vec [s]), for a float32 vec ->
     float32. For bfloat16 x on the tensor cores: vec split into bfloat16 hi + lo (16 of float32's 24
     mantissa bits; their products with x are exact) as columns 0 and 1 of a [., 16] operand. As an
-    elementwise product and sum, each use held a [64, 256] float32 tile in registers: 412 bytes of
-    spills per thread at xLSTM 7B's shapes, 172 this way (benchmarks/kernel_registers.py)."""
+    elementwise product and sum, each use held a [64, 256] float32 tile in registers (with the
+    scores still in the loop: 412 bytes of spills per thread at xLSTM 7B's shapes, 172 this way;
+    benchmarks/kernel_registers.py)."""
     if x.dtype != jnp.bfloat16:  # a float32 dot would run as TF32 on the GPU, float16 lacks the range
         return jnp.sum(x.astype(F32) * (vec[:, None] if trans else vec[None, :]), axis=0 if trans else 1)
     hi = vec.astype(x.dtype)

@@ -46,7 +46,7 @@ from jaxembed.ops import ssd as ref
 
 F32 = jnp.float32
 MAX_CHUNKS = 8  # longer sequences differentiate through the reference (see the module docstring)
-VALUE_BLOCK = 32  # the backward carries S and dS [pb, n]: half the forward's largest block
+VALUE_BLOCK = 32  # the backward carries S and dS (transposed, [n, pb]): half the forward's largest block
 # The program's [L, L] and [L, n] float32 tiles (M, dM, P, decay, dB, dC, ...) live together: at
 # Mamba2's training shapes (n = 128, 192 x 256 tokens) the forward's chunk of 64 with 4 warps spilled
 # 2,440 bytes of registers per thread on an H100 (~1,000 local loads and stores per chunk); chunks of
