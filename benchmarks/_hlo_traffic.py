@@ -207,9 +207,10 @@ def launch_bytes(ins: Instruction, shapes: dict, comps: dict) -> int:
 
 
 def _entry_updates(ins: Instruction) -> dict[int, int]:
-    """{result index: operand index} of a Pallas kernel's results aliased to an operand: in this
-    project, the stack of every layer's states that the kernel updates in place (`StateSlot`)."""
-    if kind(ins) != "kernel":
+    """{result index: operand index} of a Pallas kernel's results aliased to an operand that is the
+    stack of every layer's states, which the kernel updates one entry of (`StateSlot`). A norm
+    written over its input (`normed_in_place`) reads and writes the whole buffer."""
+    if kind(ins) != "kernel" or 'name = "normed_in_place"' in ins.attrs:
         return {}
     _, key, aliases = ins.attrs.partition("output_to_operand_aliasing=")
     aliases = aliases[: aliases.find(")}") + 2] if key else ""  # {{1}: (7, {}), ...}

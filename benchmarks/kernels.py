@@ -267,6 +267,7 @@ def check(rows):
     check_packed_ssd(rows)
     check_ssd_backward_heads(rows)
     check_stacked_lora_input(rows)
+    check_normed_in_place(rows)
 
 
 BACKWARD_TIMING_SHAPE = (192, 256, 16, 64, 1, 128)  # (b, t, h, p, g, n): a training step's 256-token group
@@ -363,6 +364,48 @@ def check_stacked_lora_input(rows):
                          kernel_ms=ms["pallas"], xla_ms=ms["xla"]))
         print(f"time stacked_lora_input {'gated' if gated else 'rms'} 192x256 d{d} r16: kernel {ms['pallas']:.3f} ms, "
               f"XLA {ms['xla']:.3f} ms ({ms['pallas'] / ms['xla']:.2f}x)", flush=True)
+
+
+def check_normed_in_place(rows, reps=20):
+    """The (gated) norm written over its input (`kernels.norm.normed_in_place`) compiled for the GPU
+    against its XLA form: a group held whole, a group read in column chunks, rows that are not
+    whole blocks. Then both timed at Codestral's gated norm (1 x 32k tokens, 8 groups of 1024), each
+    `reps` times in one loop whose carry is the norm's output, so the kernel writes over a buffer
+    nothing else reads, as in the model; GB/s counts y and z read and the output written."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxembed import kernels
+
+    def case(lead, d, gated, dtype, seed):
+        ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+        x = jax.random.normal(ks[0], (*lead, d)).astype(dtype)
+        z = jax.random.normal(ks[1], (*lead, d)).astype(dtype) if gated else None
+        return x, 1.0 + jax.random.normal(ks[2], (d,)), z
+
+    def op(backend, group):
+        return jax.jit(lambda x, w, z: kernels.normed_in_place(x, w, z, backend=backend, eps=1e-5, group_size=group))
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for lead, d, group, gated in (((2, 37), 100, 100, False), ((1, 300), 96, 48, True),
+                                      ((3, 5), 16400, 8200, True)):
+            args = case(lead, d, gated, dtype, d)
+            err = rel_err(op("pallas", group)(*args).astype(jnp.float32), op("xla", group)(*args).astype(jnp.float32))
+            name = f"normed_in_place ({'gated' if gated else 'rms'}, group {group})"
+            rows.append(dict(family=name, dtype=jnp.dtype(dtype).name, b=lead[0], t=lead[1], y_rel_err=err))
+            print(f"check {name} {jnp.dtype(dtype).name:8s} {lead}: {err:.2e}", flush=True)
+    y, w, z = case((1, 32768), 8192, True, jnp.bfloat16, 7)
+
+    def loop(backend):
+        norm = lambda y: kernels.normed_in_place(y, w, z, backend=backend, eps=1e-5, group_size=1024)
+        return jax.jit(lambda y: jax.lax.fori_loop(0, reps, lambda i, y: norm(y), y))
+
+    ms = {backend: time_jax(loop(backend), (y,)) * 1e3 / reps for backend in ("pallas", "xla")}
+    gbs = 3 * y.nbytes / (ms["pallas"] * 1e-3) / 1e9
+    rows.append(dict(family="normed_in_place (gated, group 1024)", b=1, t=32768, d=8192, kernel_ms=ms["pallas"],
+                     xla_ms=ms["xla"]))
+    print(f"time normed_in_place gated 1x32768 d8192 group 1024: kernel {ms['pallas']:.3f} ms ({gbs:.0f} GB/s), "
+          f"XLA {ms['xla']:.3f} ms ({ms['pallas'] / ms['xla']:.2f}x)", flush=True)
 
 
 def check_packed_ssd(rows):

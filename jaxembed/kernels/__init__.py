@@ -77,5 +77,18 @@ def stacked_lora_input(*args, backend: str, **kwargs):
     return kernel.stacked_lora_input(*args, interpret=chosen == "interpret", **kwargs)
 
 
+def normed_in_place(x, weight, gate=None, *, backend: str, eps, group_size):
+    """`ops.norm.normed` in x's dtype, written over x by a Pallas kernel (`kernels.norm`), or by
+    XLA as `resolve(backend)` decides."""
+    from jaxembed.kernels import norm as kernel
+    from jaxembed.ops import norm as reference
+
+    chosen = resolve(backend)
+    if chosen == "xla":
+        return reference.normed(x, weight, gate, eps=eps, group_size=group_size, out_dtype=x.dtype)
+    return kernel.normed_in_place(x, weight, gate, eps=eps, group_size=group_size, interpret=chosen == "interpret")
+
+
 __all__ = ["BACKENDS", "BlockSizes", "heuristic", "resolve", "ssd_chunked", "ssd_chunked_xbc", "ssd_conv_chunked",
-           "wkv7_chunked", "wkv7_rwkv7_chunked", "mlstm_chunked", "stacked_lora_input"]
+           "wkv7_chunked", "wkv7_rwkv7_chunked", "mlstm_chunked", "stacked_lora_input",
+           "normed_in_place"]

@@ -183,6 +183,16 @@ def state_tile(layer_ref, block: int, *, axis: int):
     return tuple(index)
 
 
+def at_sequence_end(segments: int, store) -> None:
+    """store() in the program of the sequence's last segment (grid axis 3) only: the final state
+    is that segment's end state. The other segments' end states are never written, so the final
+    state's output has no segment axis."""
+    if segments > 1:
+        pl.when(pl.program_id(3) == segments - 1)(store)
+    else:
+        store()
+
+
 def with_reference_vjp(forward, reference, backward=None):
     """forward(*arrays) computed by the kernel, differentiated as `jax.vjp(reference)`.
 

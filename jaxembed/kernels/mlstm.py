@@ -122,7 +122,12 @@ def _kernel(q_ref, k_ref, v_ref, i_ref, bc_ref, C0_ref, *refs, L, chunks, segmen
         carry = lax.fori_loop(0, segment, lambda j, carry: _merge(*carry, seg_f_ref[j], seg_C_ref[j], seg_n_ref[j],
                                                                   seg_m_ref[j]), carry)
         first = segment * chunks
-    C_ref[tile], n_ref[...], m_ref[...] = lax.fori_loop(first, first + chunks, chunk, carry)
+    end = lax.fori_loop(first, first + chunks, chunk, carry)
+
+    def store():
+        C_ref[tile], n_ref[...], m_ref[...] = end
+
+    common.at_sequence_end(segments, store)
 
 
 def _segment_state_kernel(k_ref, v_ref, i_ref, bc_ref, C_ref, n_ref, m_ref, *, L, chunks):
@@ -172,16 +177,20 @@ def _forward(q, k, v, i, f, C0, n0, m0, *, eps, blocks, interpret):
         C_specs = [pl.BlockSpec((None, None, K, vb), lambda x, y, z, s: (x, y, 0, z))]
     n_in = pl.BlockSpec((None, None, K), lambda x, y, z, s: (x, y, 0))
     m_in = pl.BlockSpec((None, None), lambda x, y, z, s: (x, y))
-    # every value block computes the same n and m; each writes its own copy (no shared writes), and
-    # each segment its own end state (the last one's is the final state)
-    C_out = pl.BlockSpec((None, None, None, K, vb), lambda x, y, z, s: (x, y, s, 0, z))
-    n_out = pl.BlockSpec((None, None, None, None, K), lambda x, y, z, s: (x, y, s, z, 0))
-    m_out = pl.BlockSpec((None, None, None, None), lambda x, y, z, s: (x, y, s, z))
+    # every value block computes the same n and m; each writes its own copy (no shared writes). The
+    # final state is the last segment's; the segment-state kernel writes each segment's own
+    C_out = pl.BlockSpec((None, None, K, vb), lambda x, y, z, s: (x, y, 0, z))
+    n_out = pl.BlockSpec((None, None, None, K), lambda x, y, z, s: (x, y, z, 0))
+    m_out = pl.BlockSpec((None, None, None), lambda x, y, z, s: (x, y, z))
+    own_C_out = pl.BlockSpec((None, None, None, K, vb), lambda x, y, z, s: (x, y, s, 0, z))
+    own_n_out = pl.BlockSpec((None, None, None, None, K), lambda x, y, z, s: (x, y, s, z, 0))
+    own_m_out = pl.BlockSpec((None, None, None, None), lambda x, y, z, s: (x, y, s, z))
     extra_specs, extra_args = [], []
     if segments > 1:
         own = common.call(
             lambda *refs: _segment_state_kernel(*refs, L=L, chunks=chunks),
-            grid=(b, h, nvb, segments - 1), in_specs=[keys, values, gates, gates], out_specs=[C_out, n_out, m_out],
+            grid=(b, h, nvb, segments - 1), in_specs=[keys, values, gates, gates],
+            out_specs=[own_C_out, own_n_out, own_m_out],
             out_shape=[jax.ShapeDtypeStruct((b, h, segments - 1, K, V), F32),
                        jax.ShapeDtypeStruct((b, h, segments - 1, nvb, K), F32),
                        jax.ShapeDtypeStruct((b, h, segments - 1, nvb), F32)],
@@ -212,13 +221,12 @@ def _forward(q, k, v, i, f, C0, n0, m0, *, eps, blocks, interpret):
         in_specs=[keys, keys, values, gates, gates, *C_specs, n_in, m_in, *extra_specs, *score_specs],
         out_specs=[values, pl.BlockSpec() if in_place else C_out, n_out, m_out],
         out_shape=[jax.ShapeDtypeStruct((b, T, h, V), v.dtype),
-                   jax.ShapeDtypeStruct(C_args[0].shape if in_place else (b, h, segments, K, V), F32),
-                   jax.ShapeDtypeStruct((b, h, segments, nvb, K), F32),
-                   jax.ShapeDtypeStruct((b, h, segments, nvb), F32)],
+                   jax.ShapeDtypeStruct(C_args[0].shape if in_place else (b, h, K, V), F32),
+                   jax.ShapeDtypeStruct((b, h, nvb, K), F32), jax.ShapeDtypeStruct((b, h, nvb), F32)],
         blocks=blocks, interpret=interpret, name="mlstm_chunked", input_output_aliases={5: 1} if in_place else None,
     )(qp, kp, vp, ig, bc, *C_args, n0p, m0, *extra_args, *scores)
-    C = StateSlot(C, C0.layer) if in_place else C[:, :, -1, :dk, :dv]
-    return hh[:, :t, :, :dv], ref.State(C, n[:, :, -1, 0, :dk], m[:, :, -1, 0])
+    C = StateSlot(C, C0.layer) if in_place else C[:, :, :dk, :dv]
+    return hh[:, :t, :, :dv], ref.State(C, n[:, :, 0, :dk], m[:, :, 0])
 
 
 @common.cached

@@ -9,6 +9,10 @@ and in the rematerialised forward, out_proj's once), ~20% of the step's glue byt
 at a time, writes u and accumulates u A on the tensor cores, then writes s u A beside it: the
 norm's own reads, and one write of the stacked input.
 
+`normed_in_place` is the same kernel without an adapter, its output written over its input:
+Mamba2's gated norm at inference, whose n then takes y's buffer instead of being a third
+[t, e] temporary beside y and z.
+
 Differentiated as the reference (`common.with_reference_vjp`): the backward recomputes the norm
 in XLA, as autodiff of the XLA form did.
 """
@@ -30,21 +34,28 @@ F32 = jnp.float32
 ROWS = 32  # rows per program
 MAX_CHUNK = 256  # columns per step: [32, 256] float32 tiles, 64 registers a thread at 4 warps
 BLOCKS = common.BlockSizes(num_warps=4, num_stages=2)
+ONE_PASS_TILE = 8192  # float32 elements of a whole-group tile held at once: 64 registers a thread at 4 warps
 
 
-def _kernel(*refs, d, r, rp, group_size, chunk, gated, eps, scale, n_rows):
-    if gated:
-        x_ref, z_ref, w_ref, a_ref, out_ref = refs
-    else:
-        (x_ref, w_ref, a_ref, out_ref), z_ref = refs, None
-    first = pl.program_id(0) * ROWS
-    rows = pl.ds(pl.multiple_of(first, ROWS), ROWS)
-    row_ok = first + lax.broadcasted_iota(jnp.int32, (ROWS,), 0) < n_rows
+def _kernel(*refs, d, r, rp, group_size, rows_per_program, chunk, gated, eps, scale, n_rows):
+    """Programs over blocks of rows. Per group of channels: the sum of squares over the group's
+    column chunks, then each chunk normalised and written. With a LoRA adapter (r > 0) u A is
+    accumulated on the tensor cores and s u A written after the row's d columns. A group held in
+    one chunk is read once."""
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    z_ref = refs.pop(0) if gated else None
+    w_ref = refs.pop(0)
+    a_ref = refs.pop(0) if r else None
+    (out_ref,) = refs
+    first = pl.program_id(0) * rows_per_program
+    rows = pl.ds(pl.multiple_of(first, rows_per_program), rows_per_program)
+    row_ok = first + lax.broadcasted_iota(jnp.int32, (rows_per_program,), 0) < n_rows
     lane = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     steps = -(-group_size // chunk)
 
     def tile(g, k):
-        """(columns, column mask, [ROWS, chunk] float32 norm input) of step k of group g; columns
+        """(columns, column mask, [rows, chunk] float32 norm input) of step k of group g; columns
         past the group (and rows past the array) read as zeros."""
         start = g * group_size + k * chunk
         col_ok = lane < group_size - k * chunk
@@ -56,24 +67,33 @@ def _kernel(*refs, d, r, rp, group_size, chunk, gated, eps, scale, n_rows):
             v = v * (zf / (1.0 + jnp.exp(-zf)))  # ops.ssd.silu
         return cols, col_ok, mask, v
 
+    def inverse_rms(square_sum):
+        return lax.rsqrt(square_sum / group_size + eps)
+
+    def write(cols, col_ok, mask, v, inv, down):
+        w = plt.load(w_ref.at[cols], mask=col_ok, other=0.0).astype(F32)
+        u = (v * inv[:, None] * w[None, :]).astype(out_ref.dtype)
+        plt.store(out_ref.at[rows, cols], u, mask=mask)
+        if not r:
+            return down
+        a = plt.load(a_ref.at[cols, :], mask=col_ok[:, None], other=0.0)
+        return down + common.dot(u, a)
+
     def group(g, down):
+        if steps == 1:
+            cols, col_ok, mask, v = tile(g, 0)
+            return write(cols, col_ok, mask, v, inverse_rms(jnp.sum(v * v, axis=1)), down)
+
         def square_sum(k, acc):
             *_, v = tile(g, k)
             return acc + jnp.sum(v * v, axis=1)
 
-        inv = lax.rsqrt(lax.fori_loop(0, steps, square_sum, jnp.zeros((ROWS,), F32)) / group_size + eps)
+        inv = inverse_rms(lax.fori_loop(0, steps, square_sum, jnp.zeros((rows_per_program,), F32)))
+        return lax.fori_loop(0, steps, lambda k, down: write(*tile(g, k), inv, down), down)
 
-        def write(k, down):
-            cols, col_ok, mask, v = tile(g, k)
-            w = plt.load(w_ref.at[cols], mask=col_ok, other=0.0).astype(F32)
-            u = (v * inv[:, None] * w[None, :]).astype(out_ref.dtype)
-            plt.store(out_ref.at[rows, cols], u, mask=mask)
-            a = plt.load(a_ref.at[cols, :], mask=col_ok[:, None], other=0.0)
-            return down + common.dot(u, a)
-
-        return lax.fori_loop(0, steps, write, down)
-
-    down = lax.fori_loop(0, d // group_size, group, jnp.zeros((ROWS, rp), F32))
+    down = lax.fori_loop(0, d // group_size, group, jnp.zeros((rows_per_program, rp), F32))
+    if not r:
+        return
     down_ok = row_ok[:, None] & (lax.broadcasted_iota(jnp.int32, (rp,), 0) < r)[None, :]
     # a rank padded to rp columns reaches past the row's end: a traced start (the mask keeps the
     # store in the row) rather than a static slice, which the ref's bounds check would refuse
@@ -91,8 +111,8 @@ def _build(scale: float, eps: float, group_size: int, out_dtype, interpret: bool
         chunk = min(MAX_CHUNK, common.padded(group_size))
         inputs = [x.reshape(n_rows, d)] + ([] if gate is None else [gate.reshape(n_rows, d)])
         inputs += [weight, common.pad_axis(a.astype(out_dtype), 1, rp)]
-        kernel = functools.partial(_kernel, d=d, r=r, rp=rp, group_size=group_size, chunk=chunk,
-                                   gated=gate is not None, eps=eps, scale=scale, n_rows=n_rows)
+        kernel = functools.partial(_kernel, d=d, r=r, rp=rp, group_size=group_size, rows_per_program=ROWS,
+                                   chunk=chunk, gated=gate is not None, eps=eps, scale=scale, n_rows=n_rows)
         out = common.call(kernel, grid=(-(-n_rows // ROWS),), in_specs=[pl.BlockSpec()] * len(inputs),
                           out_specs=pl.BlockSpec(), out_shape=jax.ShapeDtypeStruct((n_rows, d + r), out_dtype),
                           blocks=BLOCKS, interpret=interpret, name="stacked_lora_input")(*inputs)
@@ -117,3 +137,42 @@ def stacked_lora_input(x, weight, a, gate=None, *, scale, eps, group_size, out_d
         raise ValueError(f"stacked_lora_input: the gate's shape {gate.shape} is not x's {x.shape}")
     return _build(float(scale), float(eps), int(group_size), jnp.dtype(out_dtype), bool(interpret))(
         x, weight, a, gate)
+
+
+@common.cached
+def _build_in_place(eps: float, group_size: int, interpret: bool):
+    def forward(x, weight, gate):
+        *lead, d = x.shape
+        n_rows = x.size // d
+        group_tile = common.padded(group_size)
+        if group_tile <= ONE_PASS_TILE:  # the whole group in registers: x and the gate read once
+            rows_per_program, chunk = ONE_PASS_TILE // group_tile, group_tile
+        else:
+            rows_per_program, chunk = ROWS, MAX_CHUNK
+        inputs = [x.reshape(n_rows, d)] + ([] if gate is None else [gate.reshape(n_rows, d)]) + [weight]
+        kernel = functools.partial(_kernel, d=d, r=0, rp=0, group_size=group_size, rows_per_program=rows_per_program,
+                                   chunk=chunk, gated=gate is not None, eps=eps, scale=0.0, n_rows=n_rows)
+        out = common.call(kernel, grid=(-(-n_rows // rows_per_program),), in_specs=[pl.BlockSpec()] * len(inputs),
+                          out_specs=pl.BlockSpec(), out_shape=jax.ShapeDtypeStruct((n_rows, d), x.dtype),
+                          blocks=BLOCKS, interpret=interpret, name="normed_in_place",
+                          input_output_aliases={0: 0})(*inputs)
+        return out.reshape(x.shape)
+
+    def reference(x, weight, gate):
+        return ref.normed(x, weight, gate, eps=eps, group_size=group_size, out_dtype=x.dtype)
+
+    return common.with_reference_vjp(forward, reference)
+
+
+def normed_in_place(x, weight, gate=None, *, eps, group_size, interpret=False):
+    """`ops.norm.normed(x, weight, gate)` in x's dtype, written over x [b, t, d] (its buffer is
+    the output's when x is not used again): the norm adds no [b, t, d] temporary beside its
+    input. Each program holds whole groups of a few rows (groups up to 8,192 channels) and reads x
+    and the gate once."""
+    d = x.shape[-1]
+    if x.ndim != 3 or d % group_size or weight.shape != (d,):
+        raise ValueError(f"normed_in_place: x [b, t, d] needs weight [d] and a group size dividing d; "
+                         f"got x {x.shape}, weight {weight.shape}, group size {group_size}")
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"normed_in_place: the gate's shape {gate.shape} is not x's {x.shape}")
+    return _build_in_place(float(eps), int(group_size), bool(interpret))(x, weight, gate)

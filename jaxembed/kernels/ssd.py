@@ -163,7 +163,7 @@ def _kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, C_ref, D_ref, *refs, 
         first = segment * chunks
     end = _walk_x(x_ref, conv_refs, xconv, L=L, first=first, chunks=chunks, step=chunk, S=ST)
     if writes_state:
-        s_ref[tile] = end.T
+        common.at_sequence_end(segments, lambda: s_ref.__setitem__(tile, end.T))
 
 
 def _segment_state_kernel(x_ref, dt_ref, a_cum_ref, a_to_end_ref, B_ref, *refs, L, chunks, xconv):
@@ -246,7 +246,6 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
         state_args, state_specs = [common.pad_axis(common.pad_axis(state, 2, P), 3, N)], [st]
     else:
         state_args, state_specs = [], []
-    seg_st = pl.BlockSpec((None, None, None, pb, N), lambda i, j, k, s: (i, j, s, k, 0))
     extra_specs, extra_args = [], []
     if segments > 1:  # each segment's own end state, transposed [n, p] as the kernels carry it
         seg_states = common.call(
@@ -265,8 +264,8 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
     y_spec = pl.BlockSpec((None, T, pb), lambda i, j, k, s: (i, 0, j * vb + k))
     y_shape = jax.ShapeDtypeStruct((b, T, h * P), x3.dtype)
     if final_state:
-        out_specs = [y_spec, pl.BlockSpec() if in_place else seg_st]
-        out_shape = [y_shape, jax.ShapeDtypeStruct(state.stacked.shape if in_place else (b, h, segments, P, N), F32)]
+        out_specs = [y_spec, pl.BlockSpec() if in_place else st]
+        out_shape = [y_shape, jax.ShapeDtypeStruct(state.stacked.shape if in_place else (b, h, P, N), F32)]
     else:
         out_specs, out_shape = [y_spec], [y_shape]
     y, *ends = common.call(
@@ -281,7 +280,7 @@ def _launch(x3, B3, C3, offsets, dt, A, D, dt_bias, state, *, t, h, p, g, n, dt_
     y = y.reshape(b, T, h, P)[:, :t, :, :p]
     if not final_state:
         return y, None
-    return (y, StateSlot(ends[0], state.layer)) if in_place else (y, ends[0][:, :, -1, :p, :n])
+    return (y, StateSlot(ends[0], state.layer)) if in_place else (y, ends[0][:, :, :p, :n])
 
 
 def _forward(x, dt, A, B, C, D, dt_bias, state, *, dt_limit, blocks, interpret, final_state=True):

@@ -125,7 +125,8 @@ def _kernel(r_ref, w_ref, k_ref, v_ref, a_ref, *refs, L, chunks, segments, rwkv7
         segment = pl.program_id(3)
         S = lax.fori_loop(0, segment, lambda j, S: common.dot(S, seg_T_ref[j]) + seg_H_ref[j], S)
         first = segment * chunks
-    s_ref[tile] = lax.fori_loop(first, first + chunks, chunk, S)
+    end = lax.fori_loop(first, first + chunks, chunk, S)
+    common.at_sequence_end(segments, lambda: s_ref.__setitem__(tile, end))
 
 
 def _segment_state_kernel(w_ref, k_ref, v_ref, a_ref, *refs, L, chunks, value_blocks, rwkv7):
@@ -214,8 +215,7 @@ def _forward(r, w_logit, k, v, a, extra, state, *, rwkv7, blocks, interpret):
     if in_place:  # the stack itself, aliased to the stack passed in
         ends_spec, ends_shape = pl.BlockSpec(), state_args[0].shape
     else:
-        ends_spec = pl.BlockSpec((None, None, None, pb, N), lambda i, j, z, s: (i, j, s, z, 0))
-        ends_shape = (bsz, h, segments, P, N)
+        ends_spec, ends_shape = st, (bsz, h, P, N)
     y, *bonus, ends = common.call(
         lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments, rwkv7=rwkv7, in_place=in_place),
         grid=(bsz, h, vb, segments),
@@ -225,7 +225,7 @@ def _forward(r, w_logit, k, v, a, extra, state, *, rwkv7, blocks, interpret):
         blocks=blocks, interpret=interpret, name="wkv7_chunked",
         input_output_aliases={5 + len(extra_args): 1 + len(bonus_specs)} if in_place else None,
     )(rp, lwp, kp, vp, ap, *extra_args, *state_args, *seg_args)
-    end = StateSlot(ends, state.layer) if in_place else ends[:, :, -1, :p, :n]
+    end = StateSlot(ends, state.layer) if in_place else ends[:, :, :p, :n]
     return y[:, :t, :, :p], (bonus[0][:, :t, :, 0] if rwkv7 else None), end
 
 

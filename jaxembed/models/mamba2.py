@@ -238,7 +238,8 @@ def fresh_state(cfg: Mamba2Config, batch: int) -> State:
 def gated_norm_project(y, z, weight, w_out, b_out, *, eps, group_size, norm_dtype, out_dtype, backend="xla"):
     """linear(gated_rms_norm(y, z, weight) in norm_dtype, w_out, b_out) in out_dtype: the mixer's
     tail, with one backward written out for both (w_out may be a LoRA/NF4 weight; a LoRA adapter's
-    GEMM input [n | s n A] is written by the norm, `weights.normed_input`, with `backend`'s kernel).
+    GEMM input [n | s n A] is written by the norm, `weights.normed_input`, with `backend`'s kernel;
+    without an adapter and outside autodiff the norm's kernel writes n over y).
 
     Autodiff of the norm gave XLA one float32 y ∘ silu(z) shared by the norm's reduction and its
     elementwise pass, which it wrote to memory and read back twice. And with the norm and out_proj
@@ -251,15 +252,27 @@ def gated_norm_project(y, z, weight, w_out, b_out, *, eps, group_size, norm_dtyp
                                jnp.dtype(out_dtype), backend)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _gated_norm_project(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype, backend):
-    n = weights.normed_input(y, weight, (w_out,), gate=z, group_size=group_size, eps=eps, out_dtype=norm_dtype,
-                             backend=backend)
+def _norm_then_project(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype, backend, *, in_place):
+    if in_place and norm_dtype == y.dtype and getattr(w_out, "adapter", None) is None:
+        # n over y (nothing else reads y outside autodiff): n is not a third [t, e] buffer beside y
+        # and z, 10 of a Codestral layer's 76 KB of temporaries a token
+        n = kernels.normed_in_place(y, weight, z, backend=backend, eps=eps, group_size=group_size)
+    else:
+        n = weights.normed_input(y, weight, (w_out,), gate=z, group_size=group_size, eps=eps, out_dtype=norm_dtype,
+                                 backend=backend)
     return weights.linear(n, w_out, bias=b_out, out_dtype=out_dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _gated_norm_project(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype, backend):
+    return _norm_then_project(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype, backend,
+                              in_place=True)
+
+
 def _gated_norm_project_fwd(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype, backend):
-    out = _gated_norm_project(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype, backend)
+    # y is kept for the backward, so the norm does not write over it
+    out = _norm_then_project(y, z, weight, w_out, b_out, eps, group_size, norm_dtype, out_dtype, backend,
+                             in_place=False)
     return out, (y, z, weight, w_out, b_out)  # inputs only: a rematerialised step recomputes nothing here
 
 
@@ -319,8 +332,10 @@ def mixer(cfg: Mamba2Config, p: dict, u, state: State, *, runtime: Runtime, out_
         initial_state=state.ssm, final_state=state.ssm is not None,
     )
     # z once y is there (the barrier orders it): z [t, e] is then never live beside the kernel's
-    # input and output, 16 of a Codestral layer's ~85 KB of temporaries a token
-    y, u = jax.lax.optimization_barrier((y.reshape(b, t, e), u))
+    # input and output (16 KB a token at Codestral's shapes). The new conv state passes the barrier
+    # too: sliced out of the projection here, it does not keep the whole projection alive to the end
+    # of a vertical chunk's layer, where XLA writes it into the state stack (14 KB a token)
+    y, u, conv_state = jax.lax.optimization_barrier((y.reshape(b, t, e), u, conv_state))
     z = _linear(u, p["z_proj"], p.get("z_proj_bias"), out_dtype=u.dtype)
     out = gated_norm_project(y, z, p["mixer_norm"], p["out_proj"], p.get("out_proj_bias"), eps=cfg.norm_eps,
                              group_size=e // cfg.n_groups, norm_dtype=u.dtype, out_dtype=out_dtype or u.dtype,
