@@ -203,6 +203,18 @@ def test_packed_ssd_lowers_at_codestral_shapes():
             assert "stablehlo.pad" not in text
 
 
+def _grouped_norm_float64(x, z, weight, group, *, eps):
+    """RMSNorm of x (of x ∘ silu(z) with a gate z) over groups of `group` channels, times weight,
+    in float64 from the inputs as given."""
+    v = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    if z is not None:
+        zf = np.asarray(jnp.asarray(z).astype(jnp.float32), np.float64)
+        v = v * zf / (1.0 + np.exp(-zf))
+    grouped = v.reshape(*v.shape[:-1], -1, group)
+    normed = (grouped / np.sqrt(np.mean(grouped ** 2, axis=-1, keepdims=True) + eps)).reshape(v.shape)
+    return normed * np.asarray(weight, np.float64)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stacked_lora_input_kernel_against_float64(dtype):
     """`kernels.norm`'s [u | s u A], u the RMSNorm of x (the float32 residual, one group) or the
@@ -221,13 +233,7 @@ def test_stacked_lora_input_kernel_against_float64(dtype):
         got = np.asarray(k_norm.stacked_lora_input(x, w, a, z, scale=0.75, eps=1e-5, group_size=group, out_dtype=dt,
                                                    interpret=True).astype(jnp.float32), np.float64)
         assert got.shape == (*lead, d + r) and np.isfinite(got).all()
-        v = np.asarray(x.astype(jnp.float32), np.float64)
-        if gated:
-            zf = np.asarray(z.astype(jnp.float32), np.float64)
-            v = v * zf / (1.0 + np.exp(-zf))
-        grouped = v.reshape(*lead, d // group, group)
-        u = (grouped / np.sqrt(np.mean(grouped ** 2, axis=-1, keepdims=True) + 1e-5)).reshape(v.shape)
-        u = u * np.asarray(w, np.float64)
+        u = _grouped_norm_float64(x, z, w, group, eps=1e-5)
         assert rel_err(got[..., :d], u) < KERNEL_TOLERANCE[dtype] / 2, (gated, dtype)
         # s u A from the u the kernel wrote (rounded to dtype), A rounded as the GEMM operand is
         a_rounded = np.asarray(a.astype(dt).astype(jnp.float32), np.float64)
@@ -263,13 +269,7 @@ def test_norm_written_over_its_input_against_float64(dtype):
         got = jax.jit(functools.partial(k_norm.normed_in_place, eps=1e-5, group_size=group, interpret=True),
                       donate_argnums=0)(jnp.array(x), w, z)
         assert got.dtype == dt and got.shape == x.shape
-        v = np.asarray(x.astype(jnp.float32), np.float64)
-        if gated:
-            zf = np.asarray(z.astype(jnp.float32), np.float64)
-            v = v * zf / (1.0 + np.exp(-zf))
-        grouped = v.reshape(*lead, d // group, group)
-        want = (grouped / np.sqrt(np.mean(grouped ** 2, axis=-1, keepdims=True) + 1e-5)).reshape(v.shape)
-        want = want * np.asarray(w, np.float64)
+        want = _grouped_norm_float64(x, z, w, group, eps=1e-5)
         assert rel_err(np.asarray(got.astype(jnp.float32), np.float64), want) < KERNEL_TOLERANCE[dtype] / 2, (d, group)
 
     S = jax.ShapeDtypeStruct
