@@ -268,6 +268,7 @@ def check(rows):
     check_ssd_backward_heads(rows)
     check_stacked_lora_input(rows)
     check_normed_in_place(rows)
+    check_gated_norm_backward(rows)
 
 
 BACKWARD_TIMING_SHAPE = (192, 256, 16, 64, 1, 128)  # (b, t, h, p, g, n): a training step's 256-token group
@@ -406,6 +407,43 @@ def check_normed_in_place(rows, reps=20):
                      xla_ms=ms["xla"]))
     print(f"time normed_in_place gated 1x32768 d8192 group 1024: kernel {ms['pallas']:.3f} ms ({gbs:.0f} GB/s), "
           f"XLA {ms['xla']:.3f} ms ({ms['pallas'] / ms['xla']:.2f}x)", flush=True)
+
+
+def check_gated_norm_backward(rows):
+    """The gated norm's backward as one Pallas pass (`kernels.norm.gated_norm_backward`: dy, dz, n
+    and 1/rms) compiled for the GPU against its XLA form, then both timed at the 24-layer throughput
+    config's shapes (192 texts x 256 tokens, one group of 1536 channels) and at Codestral's
+    (8 groups of 1024)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxembed import kernels
+
+    def case(lead, d, dtype, seed):
+        ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+        y, z, dn = (jax.random.normal(k, (*lead, d)).astype(dtype) for k in ks[:3])
+        return y, z, dn, 1.0 + jax.random.normal(ks[3], (d,))
+
+    def op(backend, group, dtype):
+        return jax.jit(lambda y, z, dn, w: kernels.gated_norm_backward(
+            y, z, dn, w, backend=backend, eps=1e-5, group_size=group, norm_dtype=dtype))
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for lead, d, group in (((2, 37), 96, 48), ((1, 300), 1536, 1536)):
+            args = case(lead, d, dtype, d)
+            got, want = op("pallas", group, dtype)(*args), op("xla", group, dtype)(*args)
+            err = max(rel_err(a.astype(jnp.float32), b.astype(jnp.float32)) for a, b in zip(got, want, strict=True))
+            rows.append(dict(family=f"gated_norm_backward (group {group})", dtype=jnp.dtype(dtype).name, b=lead[0],
+                             t=lead[1], y_rel_err=err))
+            print(f"check gated_norm_backward group {group} {jnp.dtype(dtype).name:8s} {lead}: {err:.2e}", flush=True)
+    for lead, d, group in (((192, 256), 1536, 1536), ((4, 4096), 8192, 1024)):
+        args = case(lead, d, jnp.bfloat16, 3)
+        ms = {backend: time_jax(op(backend, group, jnp.bfloat16), args) * 1e3 for backend in ("pallas", "xla")}
+        gbs = 6 * args[0].nbytes / (ms["pallas"] * 1e-3) / 1e9  # y, z, dn read; dy, dz, n written
+        rows.append(dict(family=f"gated_norm_backward (group {group})", b=lead[0], t=lead[1], d=d,
+                         kernel_ms=ms["pallas"], xla_ms=ms["xla"]))
+        print(f"time gated_norm_backward {lead[0]}x{lead[1]} d{d} group {group}: kernel {ms['pallas']:.3f} ms "
+              f"({gbs:.0f} GB/s), XLA {ms['xla']:.3f} ms ({ms['pallas'] / ms['xla']:.2f}x)", flush=True)
 
 
 def check_packed_ssd(rows):

@@ -280,6 +280,38 @@ def test_norm_written_over_its_input_against_float64(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gated_norm_backward_kernel_against_float64(dtype):
+    """`kernels.norm.gated_norm_backward`'s one pass (dy, dz, n, 1/rms) against the gated norm's
+    derivative in float64: the vector-Jacobian product of n = rms_norm(y ∘ silu(z)) ∘ w, written
+    out by hand, for rows that are not whole blocks, several groups and a group that is not a power
+    of two (its padded columns must not leak into the next group). In the Mamba2 model the
+    gradients through it are checked against torch autograd (tests/test_parity.py)."""
+    from jaxembed.kernels import norm as k_norm
+
+    rng = np.random.default_rng(20261129)  # not from _draws: the tests after it keep their streams
+    dt = jnp.dtype(dtype)
+    for lead, d, group in (((3, 11), 96, 48), ((2, 5), 64, 64)):
+        y, z, dn = (_normal(rng, (*lead, d)).astype(dt) for _ in range(3))
+        w = _normal(rng, (d,)) + 1.0
+        dy, dz, n, inv = k_norm.gated_norm_backward(y, z, dn, w, eps=1e-5, group_size=group, norm_dtype=dt,
+                                                    interpret=True)
+        assert (dy.dtype, dz.dtype, n.dtype, inv.dtype) == (dt, dt, dt, jnp.float32)
+        assert inv.shape == (*lead, d // group)
+        f64 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+        yf, zf, dnf, wf = f64(y), f64(z), f64(dn), np.asarray(w, np.float64)
+        sig = 1.0 / (1.0 + np.exp(-zf))
+        g = (yf * zf * sig).reshape(*lead, d // group, group)
+        r = 1.0 / np.sqrt(np.mean(g ** 2, axis=-1, keepdims=True) + 1e-5)
+        dn_w = (dnf * wf).reshape(g.shape)
+        dg = (r * dn_w - g * r ** 3 * np.mean(dn_w * g, axis=-1, keepdims=True)).reshape(yf.shape)
+        tol = KERNEL_TOLERANCE[dtype]
+        assert rel_err(f64(dy), dg * zf * sig) < tol, (d, group)
+        assert rel_err(f64(dz), dg * yf * sig * (1.0 + zf * (1.0 - sig))) < tol, (d, group)
+        assert rel_err(f64(n), (g * r).reshape(yf.shape) * wf) < tol / 2, (d, group)
+        assert rel_err(np.asarray(inv, np.float64), r[..., 0]) < 1e-5, (d, group)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_ssd_split_into_sequence_segments_matches_the_recurrence(dtype):
     """SSD with the sequence split into segments walked in parallel (each segment's own end state
     first, then every segment entered with the combined state before it), against the token-by-token

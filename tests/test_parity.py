@@ -3,7 +3,15 @@ len-1 of each sequence run alone, in every layout the converter reads."""
 
 import numpy as np
 import pytest
-from conftest import TOLERANCE, hf_last_hidden, make_hf_mamba2, rel_err, save_codestral_layout, save_mamba_ssm_layout
+from conftest import (
+    TOLERANCE,
+    hf_last_hidden,
+    jaxpr_equations,
+    make_hf_mamba2,
+    rel_err,
+    save_codestral_layout,
+    save_mamba_ssm_layout,
+)
 
 import jaxembed
 
@@ -100,10 +108,12 @@ def test_bfloat16_close_to_float32_reference(hf_model_dir):
     assert max(rel_err(o, r) for o, r in zip(out, ref, strict=True)) < TOLERANCE["bfloat16"]
 
 
-def test_training_gradients_match_pytorch_autograd(hf_model_dir):
+@pytest.mark.parametrize("kernels", ["xla", "interpret"])
+def test_training_gradients_match_pytorch_autograd(hf_model_dir, kernels):
     """The gradient the trainer follows: d(w . embedding)/d(params) of a right-padded batch through
     jaxembed.embed as the train step runs it (horizontal), against torch autograd of transformers' model
-    on each sequence alone, for every parameter, mapped through the converter's own name table."""
+    on each sequence alone, for every parameter, mapped through the converter's own name table. With
+    the Pallas kernels in the interpreter too: the SSD's backward kernel and the gated norm's."""
     import re
 
     import jax
@@ -133,10 +143,16 @@ def test_training_gradients_match_pytorch_autograd(hf_model_dir):
     lengths = jnp.asarray([len(s) for s in seqs])
 
     def objective(params):
-        out = jaxembed.embed(params, emb.config, jnp.asarray(ids), lengths, normalize=False, vertical_chunk_size=None)
+        out = jaxembed.embed(params, emb.config, jnp.asarray(ids), lengths, normalize=False, vertical_chunk_size=None,
+                             kernels=kernels)
         return jnp.sum(out * weights)
 
     grads = jax.grad(objective)(emb.params)
+    if kernels == "interpret":  # the backward ran through the kernels, not the references' autodiff
+        program = jax.make_jaxpr(jax.grad(objective))(emb.params)
+        names = {eqn.params.get("name") for eqn in jaxpr_equations(program.jaxpr)
+                 if eqn.primitive.name == "pallas_call"}
+        assert {"ssd_chunked_backward", "gated_norm_backward"} <= names, names
     checked = 0
     for rule in convert_mamba2.rules_for(emb.config):
         leaf = grads

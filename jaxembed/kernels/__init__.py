@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 
+from jaxembed.kernels import common
 from jaxembed.kernels.common import BlockSizes, heuristic
 from jaxembed.ops.common import through_slot
 
@@ -89,6 +90,19 @@ def normed_in_place(x, weight, gate=None, *, backend: str, eps, group_size):
     return kernel.normed_in_place(x, weight, gate, eps=eps, group_size=group_size, interpret=chosen == "interpret")
 
 
+def gated_norm_backward(y, z, dn, weight, *, backend: str, eps, group_size, norm_dtype):
+    """`ops.norm.gated_norm_backward` (dy, dz, n, 1/rms), or one Pallas pass of `kernels.norm` for
+    groups it holds whole, as `resolve(backend)` decides."""
+    from jaxembed.kernels import norm as kernel
+    from jaxembed.ops import norm as reference
+
+    chosen = resolve(backend)
+    if chosen == "xla" or common.padded(group_size) > kernel.BACKWARD_TILE:
+        return reference.gated_norm_backward(y, z, dn, weight, eps=eps, group_size=group_size, norm_dtype=norm_dtype)
+    return kernel.gated_norm_backward(y, z, dn, weight, eps=eps, group_size=group_size, norm_dtype=norm_dtype,
+                                      interpret=chosen == "interpret")
+
+
 __all__ = ["BACKENDS", "BlockSizes", "heuristic", "resolve", "ssd_chunked", "ssd_chunked_xbc", "ssd_conv_chunked",
            "wkv7_chunked", "wkv7_rwkv7_chunked", "mlstm_chunked", "stacked_lora_input",
-           "normed_in_place"]
+           "normed_in_place", "gated_norm_backward"]

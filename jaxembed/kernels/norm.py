@@ -35,6 +35,8 @@ ROWS = 32  # rows per program
 MAX_CHUNK = 256  # columns per step: [32, 256] float32 tiles, 64 registers a thread at 4 warps
 BLOCKS = common.BlockSizes(num_warps=4, num_stages=2)
 ONE_PASS_TILE = 8192  # float32 elements of a whole-group tile held at once: 64 registers a thread at 4 warps
+BACKWARD_TILE = 4096  # the backward's: about six float32 tiles are live, 16 registers each at 8 warps
+BACKWARD_BLOCKS = common.BlockSizes(num_warps=8, num_stages=1)
 
 
 def _kernel(*refs, d, r, rp, group_size, rows_per_program, chunk, gated, eps, scale, n_rows):
@@ -176,3 +178,61 @@ def normed_in_place(x, weight, gate=None, *, eps, group_size, interpret=False):
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"normed_in_place: the gate's shape {gate.shape} is not x's {x.shape}")
     return _build_in_place(float(eps), int(group_size), bool(interpret))(x, weight, gate)
+
+
+def _backward_kernel(y_ref, z_ref, dn_ref, w_ref, dy_ref, dz_ref, n_ref, inv_ref, *, d, group_size, rows_per_program,
+                     chunk, eps, n_rows):
+    """`ops.norm.gated_norm_backward` for a block of rows, one whole group at a time: y, z and dn
+    read once, the two per-group sums taken in registers, dy, dz and n written, and 1/rms stored
+    [groups, rows]."""
+    first = pl.program_id(0) * rows_per_program
+    rows = pl.ds(pl.multiple_of(first, rows_per_program), rows_per_program)
+    row_ok = first + lax.broadcasted_iota(jnp.int32, (rows_per_program,), 0) < n_rows
+    col_ok = lax.broadcasted_iota(jnp.int32, (chunk,), 0) < group_size
+    mask = row_ok[:, None] & col_ok[None, :]
+
+    def group(g, carry):
+        cols = pl.ds(g * group_size, chunk)
+        y = plt.load(y_ref.at[rows, cols], mask=mask, other=0.0).astype(F32)
+        zf = plt.load(z_ref.at[rows, cols], mask=mask, other=0.0).astype(F32)
+        dn_w = plt.load(dn_ref.at[rows, cols], mask=mask, other=0.0).astype(F32)
+        w = plt.load(w_ref.at[cols], mask=col_ok, other=0.0).astype(F32)[None, :]
+        dn_w = dn_w * w
+        e = jnp.exp(-zf)
+        gate, sig = zf / (1.0 + e), 1.0 / (1.0 + e)  # ops.ssd.silu, sigmoid
+        gated = y * gate
+        inv = lax.rsqrt(jnp.sum(gated * gated, axis=1) / group_size + eps)[:, None]
+        s = (jnp.sum(dn_w * gated, axis=1) / group_size)[:, None]
+        dg = inv * (dn_w - gated * (inv * inv) * s)
+        plt.store(dy_ref.at[rows, cols], (dg * gate).astype(dy_ref.dtype), mask=mask)
+        plt.store(dz_ref.at[rows, cols], (dg * y * sig * (1.0 + zf * (1.0 - sig))).astype(dz_ref.dtype), mask=mask)
+        plt.store(n_ref.at[rows, cols], (gated * inv * w).astype(n_ref.dtype), mask=mask)
+        plt.store(inv_ref.at[g, rows], inv[:, 0], mask=row_ok)
+        return carry
+
+    lax.fori_loop(0, d // group_size, group, 0)
+
+
+def gated_norm_backward(y, z, dn, weight, *, eps, group_size, norm_dtype, interpret=False):
+    """`ops.norm.gated_norm_backward` as one pass: (dy, dz, n, 1/rms [..., groups]) from y, z and
+    n's cotangent dn [b, t, d]. Each program holds whole groups (up to BACKWARD_TILE channels) of a
+    few rows; XLA's form reads y, z and dn twice, once for the sums and once for the outputs."""
+    *lead, d = y.shape
+    group_tile = common.padded(group_size)
+    if d % group_size or group_tile > BACKWARD_TILE or z.shape != y.shape or dn.shape != y.shape \
+            or weight.shape != (d,):
+        raise ValueError(f"gated_norm_backward: y, z and dn [..., d] need weight [d] and a group size dividing d of "
+                         f"at most {BACKWARD_TILE} channels; got y {y.shape}, z {z.shape}, dn {dn.shape}, "
+                         f"weight {weight.shape}, group size {group_size}")
+    n_rows, groups = y.size // d, d // group_size
+    rows_per_program = BACKWARD_TILE // group_tile
+    kernel = functools.partial(_backward_kernel, d=d, group_size=group_size, rows_per_program=rows_per_program,
+                               chunk=group_tile, eps=float(eps), n_rows=n_rows)
+    flat = jax.ShapeDtypeStruct((n_rows, d), y.dtype)
+    dy, dz, n, inv = common.call(
+        kernel, grid=(-(-n_rows // rows_per_program),), in_specs=[pl.BlockSpec()] * 4, out_specs=[pl.BlockSpec()] * 4,
+        out_shape=[flat, flat.update(dtype=z.dtype), flat.update(dtype=jnp.dtype(norm_dtype)),
+                   jax.ShapeDtypeStruct((groups, n_rows), F32)],
+        blocks=BACKWARD_BLOCKS, interpret=interpret, name="gated_norm_backward",
+    )(y.reshape(n_rows, d), z.reshape(n_rows, d), dn.reshape(n_rows, d), weight)
+    return dy.reshape(y.shape), dz.reshape(y.shape), n.reshape(y.shape), inv.T.reshape(*lead, groups)

@@ -245,9 +245,10 @@ def gated_norm_project(y, z, weight, w_out, b_out, *, eps, group_size, norm_dtyp
     elementwise pass, which it wrote to memory and read back twice. And with the norm and out_proj
     apart, out_proj's backward needed the norm's output, which a rematerialised step recomputed in
     the forward from other copies of y and z than the norm's backward read (XLA read both). Here
-    the backward computes the norm's output in the pass that writes dy and dz, and the per-group
-    rms beside the other reduction: y, z and the norm output's cotangent are read once for the two
-    reductions and once for the elementwise pass."""
+    the backward computes the norm's output in the pass that writes dy and dz
+    (`kernels.gated_norm_backward`: on the GPU one Pallas pass that reads y, z and the norm
+    output's cotangent once; XLA's form reads them once for the two per-group sums and once more
+    for the elementwise pass)."""
     return _gated_norm_project(y, z, weight, w_out, b_out, float(eps), int(group_size), jnp.dtype(norm_dtype),
                                jnp.dtype(out_dtype), backend)
 
@@ -284,19 +285,15 @@ def _gated_norm_project_bwd(eps, group_size, norm_dtype, out_dtype, backend, res
 
     # linear in n: n's cotangent does not need n's value (zeros here; the GEMM on them is dropped)
     dn = jax.vjp(lambda n: project(n, w_out, b_out), jnp.zeros(y.shape, norm_dtype))[1](d_out)[0]
-    # n = g r w with r = (mean g² + eps)^-1/2 per group: dg = r (dn w - r² g mean(dn w g)). The two
-    # reductions read their own copies of y, z and dn (a barrier), so the elementwise pass
-    # recomputes its float32 terms rather than sharing theirs, which XLA would write out
-    *_, g, dn_w = gated_norm_terms(*jax.lax.optimization_barrier((y, z, dn)), weight, group_size)
-    r = jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
-    s = jnp.mean(dn_w * g, axis=-1, keepdims=True)
-    zf, gate, sig, g, dn_w = gated_norm_terms(y, z, dn, weight, group_size)
-    dg = (r * (dn_w - g * (r * r) * s)).reshape(y.shape)
-    dy = (dg * gate).astype(y.dtype)
-    dz = (dg * y.astype(F32) * sig * (1.0 + zf * (1.0 - sig))).astype(z.dtype)
-    normed = (g * r).reshape(y.shape)
-    dweight = jnp.sum(dn.astype(F32) * normed, axis=tuple(range(y.ndim - 1))).astype(weight.dtype)
-    n = (normed * weight.astype(F32)).astype(norm_dtype)
+    # dy, dz, n and 1/rms in one pass over y, z and dn (`backend`'s kernel)
+    dy, dz, n, inv_rms = kernels.gated_norm_backward(y, z, dn, weight, eps=eps, group_size=group_size,
+                                                     norm_dtype=norm_dtype, backend=backend)
+    # the norm's weight: sum over tokens of dn ∘ g / rms, a pass that XLA drops when the weight is
+    # frozen (LoRA)
+    g = gated_norm_terms(y, z, None, weight, group_size)[3]
+    normed = g * inv_rms[..., None]
+    dweight = jnp.sum(dn.astype(F32).reshape(g.shape) * normed, axis=tuple(range(y.ndim - 1))).reshape(weight.shape)
+    dweight = dweight.astype(weight.dtype)
     dw, db = jax.vjp(lambda w, b: project(n, w, b), w_out, b_out)[1](d_out)
     return dy, dz, dweight, dw, db
 

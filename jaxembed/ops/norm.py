@@ -44,6 +44,26 @@ def gated_rms_norm(y, z, weight, *, eps, group_size, out_dtype):
     return ((g * r).reshape(y.shape) * weight.astype(F32)).astype(out_dtype)
 
 
+def gated_norm_backward(y, z, dn, weight, *, eps, group_size, norm_dtype):
+    """The gated norm n = rms_norm(y ∘ silu(z)) ∘ weight differentiated, given n's cotangent dn:
+    (dy in y's dtype, dz in z's dtype, n in norm_dtype, 1/rms float32 [..., groups]). With
+    g = y ∘ silu(z) per group, r = (mean g² + eps)^-1/2 and s = mean(dn ∘ weight ∘ g),
+    dg = r (dn ∘ weight - g r² s). n (for the next GEMM's weight gradient) and r (for the weight's
+    own gradient, sum over tokens of dn ∘ g r) come from the same pass.
+
+    The two reductions read their own copies of y, z and dn (a barrier), so the elementwise pass
+    recomputes its float32 terms rather than sharing theirs, which XLA would write out."""
+    *_, g, dn_w = gated_norm_terms(*jax.lax.optimization_barrier((y, z, dn)), weight, group_size)
+    r = jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
+    s = jnp.mean(dn_w * g, axis=-1, keepdims=True)
+    zf, gate, sig, g, dn_w = gated_norm_terms(y, z, dn, weight, group_size)
+    dg = (r * (dn_w - g * (r * r) * s)).reshape(y.shape)
+    dy = (dg * gate).astype(y.dtype)
+    dz = (dg * y.astype(F32) * sig * (1.0 + zf * (1.0 - sig))).astype(z.dtype)
+    n = ((g * r).reshape(y.shape) * weight.astype(F32)).astype(norm_dtype)
+    return dy, dz, n, r[..., 0]
+
+
 def normed(x, weight, gate, *, eps, group_size, out_dtype):
     """u: rms_norm(x) ∘ weight over groups of `group_size` channels, or with a gate z the gated
     norm of x ∘ silu(z), written in out_dtype."""
