@@ -191,6 +191,25 @@ def test_a_kernel_updating_a_stack_in_place_moves_one_entry():
     assert whole["kernel"] == t["kernel"] + 2 * 3 * entry
 
 
+NORM_OVER_INPUT = """\
+HloModule jit_norm, is_scheduled=true
+
+ENTRY %main (y: bf16[32,64], z: bf16[32,64], w: f32[64]) -> bf16[32,64] {
+  %y = bf16[32,64]{1,0} parameter(0)
+  %z = bf16[32,64]{1,0} parameter(1)
+  %w = f32[64]{0} parameter(2)
+  ROOT %pallas_call = bf16[32,64]{1,0} custom-call(%y, %z, %w), custom_call_target="__gpu$xla.gpu.triton", output_to_operand_aliasing={{}: (0, {})}, backend_config={debug = false, grid_x = 4 : i32, name = "normed_in_place", num_warps = 4 : i32}
+}
+"""
+
+
+def test_a_norm_written_over_its_input_moves_its_whole_buffer():
+    """`kernels.normed_in_place` aliases its output to its input as a state stack's kernel does,
+    but reads and writes the whole buffer: y, z and the weight read, the output written."""
+    t = hlo_traffic.traffic(NORM_OVER_INPUT)
+    assert t["kernel"] == 2 * (32 * 64 * 2) + 64 * 4 + 32 * 64 * 2
+
+
 def test_a_gemm_reading_its_weight_slice_in_place_is_a_gemm_not_a_copy():
     """jax 0.11's XLA folds the weight's dynamic slice into the cuBLAS call (a dynamic_slice_fusion
     holding the GEMM): one GEMM reading the layer's slice in place, no copy, and its workspace is
