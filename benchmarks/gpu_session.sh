@@ -45,7 +45,7 @@ $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 for s in "$@"; do
     case $s in
         check) step check 360 $PY benchmarks/kernels.py --only check ;;
-        conv) step conv 200 $PY benchmarks/kernels.py --only conv --out "$OUT/conv" ;;
+        conv) step conv 240 $PY benchmarks/kernels.py --only conv --out "$OUT/conv" ;;
         segments) step segments 340 $PY benchmarks/kernels.py --only sweep --families ssd mlstm wkv7 \
             --sweep-lengths 4096 16384 --out "$OUT/segments" ;;
         breakdown) step breakdown 420 $PY benchmarks/gpu_breakdown.py --families mamba2,rwkv7,xlstm --layers 4 \

@@ -571,9 +571,16 @@ CONV_CASES = (  # Mamba2 layer shapes: (label, b, t, h, p, g, n, carries a state
 )
 
 
-def _conv_layer_paths(b, t, h, p, g, n, stateful):
+# the fused conv kernel's tiles (chunk, value block, warps) timed at the inference shapes beside the
+# heuristic's (64, 64, 4): at 32 x 512 that tile spills 156-184 bytes a thread in its chunk loop,
+# (64, 32, 4) 4 and (64, 32, 8) none, with twice the programs (benchmarks/kernel_registers.py)
+CONV_TILES = ((64, 32, 4), (64, 32, 8))
+
+
+def _conv_layer_paths(b, t, h, p, g, n, stateful, blocks=None):
     """(fused, unfused, proj, conv weight): the two paths of `conv_paths` as functions of the
-    projection's output and the conv weight, on random Mamba2-layer inputs."""
+    projection's output and the conv weight, on random Mamba2-layer inputs; the fused one with
+    `blocks` (None: the heuristic's)."""
     import jax
     import jax.numpy as jnp
 
@@ -593,7 +600,7 @@ def _conv_layer_paths(b, t, h, p, g, n, stateful):
 
     def fused(proj, weight):
         return kernels.ssd_conv_chunked(proj, A, conv_state, weight, bias, offset=0, backend="pallas",
-                                        final_state=stateful, **dims, **rest)[0]
+                                        final_state=stateful, blocks=blocks, **dims, **rest)[0]
 
     def unfused(proj, weight):
         xbc, dt = ref.split_projection(proj, offset=0, **dims)
@@ -628,6 +635,22 @@ def conv_paths(rows, reps=None):
             jax.clear_caches()
         rows.append(row)
         print(row, flush=True)
+    from jaxembed.kernels import BlockSizes
+
+    for label, b, t, h, p, g, n, stateful, differentiated in CONV_CASES:
+        if differentiated:
+            continue
+        for chunk, value_block, warps in CONV_TILES:
+            blocks = BlockSizes(chunk=chunk, value_block=value_block, num_warps=warps)
+            fused, _, proj, weight = _conv_layer_paths(b, t, h, p, g, n, stateful, blocks)
+            row = dict(case=f"{label}, tile ({chunk}, {value_block}, {warps})", b=b, t=t, unfused_ms="-")
+            try:
+                row["fused_ms"] = 1e3 * time_jax(jax.jit(fused), (proj, weight), reps)
+            except Exception as err:
+                row["fused_ms"] = f"{type(err).__name__}: {str(err)[:100]}"
+            jax.clear_caches()
+            rows.append(row)
+            print(row, flush=True)
 
 
 def encode_table(rows, families, layers, lengths):
