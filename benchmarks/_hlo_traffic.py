@@ -186,7 +186,7 @@ def launch_bytes(ins: Instruction, shapes: dict, comps: dict) -> int:
     if root is None:
         # a cuBLAS call's second result is its workspace, scratch rather than traffic
         written = shape_bytes(SHAPE.search(ins.shape).group(0) if kind(ins) == "gemm" else ins.shape)
-    in_place = _entry_updates(ins)
+    in_place = _entry_updates(ins, shapes)
     for out, _ in in_place.items():
         written -= _entry_share(SHAPE.findall(ins.shape)[out])
     params = {int(i.args): i.name for i in body if i.op == "parameter"}
@@ -206,11 +206,12 @@ def launch_bytes(ins: Instruction, shapes: dict, comps: dict) -> int:
     return read + written
 
 
-def _entry_updates(ins: Instruction) -> dict[int, int]:
+def _entry_updates(ins: Instruction, shapes: dict) -> dict[int, int]:
     """{result index: operand index} of a Pallas kernel's results aliased to an operand that is the
-    stack of every layer's states, which the kernel updates one entry of (`StateSlot`). A norm
-    written over its input (`normed_in_place`) reads and writes the whole buffer."""
-    if kind(ins) != "kernel" or 'name = "normed_in_place"' in ins.attrs:
+    stack of every layer's states, which the kernel updates one entry of (`StateSlot`: the kernel
+    also takes the layer's index, an s32[1]). Any other alias (a norm written over its input,
+    `normed_in_place`) reads and writes the whole buffer."""
+    if kind(ins) != "kernel" or not any(shapes.get(o, "").startswith("s32[1]") for o in ins.operands):
         return {}
     _, key, aliases = ins.attrs.partition("output_to_operand_aliasing=")
     aliases = aliases[: aliases.find(")}") + 2] if key else ""  # {{1}: (7, {}), ...}
