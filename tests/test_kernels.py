@@ -10,6 +10,7 @@ One jit per (kernel, dtype) computes outputs and gradients together: interpret m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 
@@ -183,14 +184,16 @@ def test_kernels_lower_to_triton_for_the_gpu(family):
 def test_packed_ssd_lowers_at_codestral_shapes():
     """The layer's packed SSD call at Codestral Mamba 7B's dims (128 heads x 64, 8 groups, n 128),
     lowered for CUDA from shapes alone: at batch 8 one kernel reading xbc in place (padded to whole
-    chunks at an odd length); at batch 2 and 1 the sequence is split into segments (2 and 4 by
-    `test_sequence_segments_rule`): one kernel for the segments' own end states, one for the outputs."""
+    chunks at an odd length), and at batch 2; at batch 1 the sequence is split into 2 segments
+    (`test_sequence_segments_rule`): one kernel for the segments' own end states, one for the outputs,
+    padded to whole segments of whole chunks at an odd length."""
     from jaxembed.kernels import ssd as k_ssd
 
     h, p, g, n = 128, 64, 8, 128
     S = jax.ShapeDtypeStruct
     fn = functools.partial(k_ssd.chunked_xbc, heads=h, head_dim=p, groups=g, state_size=n, chunk_size=256)
-    for b, t, kernel_calls, padded_xbc in ((8, 4099, 1, "8x4160"), (2, 4099, 2, "2x4224"), (1, 4096, 2, None)):
+    for b, t, kernel_calls, padded_xbc in ((8, 4099, 1, "8x4160"), (2, 4099, 1, "2x4160"), (1, 4099, 2, "1x4224"),
+                                           (1, 4096, 2, None)):
         lowered = jax.jit(lambda xbc, dt, A, D: fn(xbc, dt, A, D=D, dt_bias=D)).trace(
             S((b, t, h * p + 2 * g * n), jnp.bfloat16), S((b, t, h), jnp.bfloat16), S((h,), jnp.float32),
             S((h,), jnp.float32)).lower(lowering_platforms=("cuda",))
@@ -791,26 +794,30 @@ def test_wkv7_split_into_sequence_segments_matches_the_recurrence(dtype):
 @pytest.mark.parametrize("family", ["mlstm", "wkv7"])
 def test_batch_one_kernels_lower_with_segments_at_7b_shapes(family):
     """xLSTM 7B's mLSTM (8 heads, k 256, v 512) and RWKV7 7.2B's WKV7 (64 heads of 64) at batch 1 x
-    4096, lowered for CUDA from shapes: the segment-state kernel and the output kernel; at batch 4
-    the grid is large enough for one. (mLSTM has its intra-chunk scores kernel besides.)"""
+    4096, lowered for CUDA from shapes. WKV7's 128 four-warp programs fill half of the resident
+    slots, so it splits the sequence: the segment-state kernel and the output kernel; at batch 4 one
+    kernel. mLSTM's 128 eight-warp programs already fill them: one kernel unless segments are asked
+    for, which lowers as two. (mLSTM has its intra-chunk scores kernel besides.)"""
     from jaxembed.kernels import mlstm as k_mlstm
     from jaxembed.kernels import wkv7 as k_wkv7
 
     S = jax.ShapeDtypeStruct
     t = 4096
-    for b, kernel_calls in ((1, 2), (4, 1)):
+    cases = ((1, None, 2), (4, None, 1)) if family == "wkv7" else ((1, None, 1), (1, 4, 2), (4, None, 1))
+    for b, segments, kernel_calls in cases:
         if family == "mlstm":
             h, dk, dv = 8, 256, 512
             args = (S((b, t, h, dk), jnp.bfloat16), S((b, t, h, dk), jnp.bfloat16), S((b, t, h, dv), jnp.bfloat16),
                     S((b, t, h), jnp.float32), S((b, t, h), jnp.float32))
-            fn = functools.partial(k_mlstm.chunked, chunk_size=64)
+            blocks = dataclasses.replace(heuristic("mlstm", key_dim=dk, value_dim=dv), segments=segments)
+            fn = functools.partial(k_mlstm.chunked, chunk_size=64, blocks=blocks)
         else:
             args = (S((b, t, 64, 64), jnp.bfloat16),) * 6
             fn = functools.partial(k_wkv7.chunked, chunk_size=16)
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("xla.gpu.triton") == kernel_calls + (family == "mlstm")
+        assert text.count("xla.gpu.triton") == kernel_calls + (family == "mlstm"), (b, segments)
         assert ("mlstm_scores" in text) == (family == "mlstm")
-        assert (f"{family}_segment_states" in text) == (b == 1)
+        assert (f"{family}_segment_states" in text) == (kernel_calls == 2), (b, segments)
         if family == "wkv7":  # bf16 inputs read in place, cast per tile inside: no float32 copy, no pad
             assert "stablehlo.convert" not in text and "stablehlo.pad" not in text
 
@@ -835,12 +842,17 @@ def test_wkv7_kernel_sums_log_decays_with_adds_not_dots():
 
 
 def test_sequence_segments_rule():
-    """Segments only where the grid is small: batch 1 at Codestral's 128 heads gets 4 (512 programs),
-    batch 32 none, and a segment keeps at least MIN_SEGMENT_CHUNKS chunks."""
-    from jaxembed.kernels.common import MIN_SEGMENT_CHUNKS, TARGET_PROGRAMS, sequence_segments
+    """Segments only up to one wave of resident programs (two 4-warp or one 8-warp program per SM of a
+    132-SM H100): batch 1 at Codestral's 128 heads gets 2 with 4 warps and none with 8, batch 2 and
+    up none; a segment keeps at least MIN_SEGMENT_CHUNKS chunks."""
+    from jaxembed.kernels.common import MIN_SEGMENT_CHUNKS, resident_programs, sequence_segments
 
-    auto = BlockSizes(chunk=64, value_block=64)
-    assert sequence_segments(auto, programs=128, n_chunks=64) == TARGET_PROGRAMS // 128 == 4
+    auto = BlockSizes(chunk=64, value_block=64, num_warps=4)
+    assert resident_programs(4) == 264 and resident_programs(8) == 132 and resident_programs(16) == 132
+    assert sequence_segments(auto, programs=128, n_chunks=64) == 2
+    assert sequence_segments(BlockSizes(num_warps=8), programs=128, n_chunks=64) == 1
+    assert sequence_segments(auto, programs=256, n_chunks=64) == 1
+    assert sequence_segments(auto, programs=66, n_chunks=64) == 4
     assert sequence_segments(auto, programs=32 * 128, n_chunks=64) == 1
     assert sequence_segments(auto, programs=1, n_chunks=2 * MIN_SEGMENT_CHUNKS - 1) == 1
     assert sequence_segments(auto, programs=1, n_chunks=2 * MIN_SEGMENT_CHUNKS) == 2

@@ -93,21 +93,34 @@ def heuristic(kernel: str, *, key_dim: int, value_dim: int) -> BlockSizes:
 
 # A program walks its chunks one after another, and each chunk's loads, dots and state update wait
 # on the one before: at batch 1 the grid (b x h x value blocks: 128 programs for Codestral's SSD) is
-# one program per SM of an H100, latency-bound (docs/benchmarks.md). Splitting the sequence into
-# segments multiplies the programs; TARGET_PROGRAMS is ~4 per SM of a 132-SM H100, and a segment
-# keeps at least MIN_SEGMENT_CHUNKS chunks so the extra pass and the padding stay small.
-TARGET_PROGRAMS = 512
+# about one program per SM of an H100, latency-bound (docs/benchmarks.md). Splitting the sequence
+# into segments multiplies the programs, but only programs resident at once can hide each other's
+# latency: these kernels hold 220-255 registers a thread (ptxas, benchmarks/kernel_registers.py), so
+# an SM's 65,536 registers hold 8 warps, two 4-warp programs or one 8-warp program. Programs past
+# that run in a second wave and shorten nothing, while every segment past the first adds its share
+# of the segment-state pass (for WKV7, n transition rows besides the value rows). So the grid is
+# filled to one wave of resident programs and no further. A segment keeps at least
+# MIN_SEGMENT_CHUNKS chunks so the extra pass and the padding stay small.
+SMS = 132  # H100 and H200
+RESIDENT_WARPS_PER_SM = 8
 MIN_SEGMENT_CHUNKS = 4
 MAX_SEGMENTS = 64
 
 
+def resident_programs(num_warps: int) -> int:
+    """Programs of `num_warps` warps an H100 or H200 holds at once at ~255 registers a thread."""
+    return SMS * max(1, RESIDENT_WARPS_PER_SM // num_warps)
+
+
 def sequence_segments(blocks: BlockSizes, *, programs: int, n_chunks: int) -> int:
-    """How many segments the sequence is split into: `blocks.segments` when set, else the fewest
-    (a power of two) that bring the grid to TARGET_PROGRAMS, each keeping >= MIN_SEGMENT_CHUNKS."""
+    """How many segments the sequence is split into: `blocks.segments` when set, else the most (a
+    power of two) that keep the grid within one wave of resident programs (`resident_programs`),
+    each keeping >= MIN_SEGMENT_CHUNKS."""
     if blocks.segments is not None:
         return blocks.segments
+    slots = resident_programs(blocks.num_warps)
     segments = 1
-    while (programs * segments < TARGET_PROGRAMS and segments < MAX_SEGMENTS
+    while (programs * segments * 2 <= slots and segments < MAX_SEGMENTS
            and n_chunks >= 2 * segments * MIN_SEGMENT_CHUNKS):
         segments *= 2
     return segments
