@@ -37,8 +37,9 @@ def load(path, *, dtype=None, tokenizer=None, chunk_size=None, query_template=No
     decays stay float32. tokenizer: a path, hub id or tokenizer object (default: the one in
     the directory). chunk_size: the intra-layer chunk size Q (default: the model's).
     kernels: "auto" (Pallas kernels on GPU, XLA elsewhere), "pallas", "interpret" or "xla".
-    verify: check every tensor of a converted checkpoint against the checksums recorded when it
-    was written (a corrupt file is an error naming the tensor); False skips the check.
+    verify: check every file and every tensor of a converted checkpoint against the checksums
+    recorded when it was written (a corrupt file is an error naming the file, a tensor that differs
+    one naming the tensor); False skips the checks.
     revision: for a hub id, the branch, tag or commit to download (default: main).
     """
     from jaxembed import checkpoint

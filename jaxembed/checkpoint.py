@@ -207,8 +207,11 @@ def load(directory, *, verify: bool = True):
 
     With `verify` (the default) every file of params/ is checked against the checksums recorded
     when it was written, before anything is read: a damaged, truncated, missing or extra file is
-    an error that names it, never a model that embeds garbage. Every tensor's shape is checked
-    against the config.
+    an error that names it, never a model that embeds garbage. Then every tensor read is checked
+    against its own recorded checksum, which is what the fingerprint is made of: params rewritten
+    under a manifest whose file checksums were updated and tensor checksums not are refused by
+    tensor name, not given the old model's identity. Every tensor's shape and dtype (a float type)
+    is checked against the config.
     """
     from jaxembed import models
     from jaxembed.errors import ConfigError, ConversionError
@@ -249,7 +252,7 @@ def load(directory, *, verify: bool = True):
         raise ConversionError(f"{directory / 'params'}: the checkpoint is damaged or incomplete, it could not be "
                               f"read ({type(err).__name__}: {first[:200]})") from None
     recorded = checksums.get("tensors")
-    if recorded is not None and verify and not checksums.get("files"):  # no file checksums checked: the tensors
+    if recorded is not None and verify:  # the tensors themselves: the fingerprint is theirs
         actual = tensor_checksums(params)
         bad = [name for name in sorted(set(recorded) | set(actual)) if recorded.get(name) != actual.get(name)]
         if bad:
@@ -329,6 +332,8 @@ def open_model(path, *, verify: bool = True, revision: str | None = None) -> Ope
 
 
 def _shape_problems(params, shapes, prefix="") -> list[str]:
+    import jax.numpy as jnp
+
     problems = []
     for name in sorted(set(params) | set(shapes)):
         path = f"{prefix}{name}"
@@ -341,6 +346,8 @@ def _shape_problems(params, shapes, prefix="") -> list[str]:
             problems += _shape_problems(params[name], shapes[name], path + "/")
         elif tuple(params[name].shape) != tuple(shapes[name]):
             problems.append(f"{path}: shape {tuple(params[name].shape)}, expected {tuple(shapes[name])}")
+        elif not jnp.issubdtype(params[name].dtype, jnp.floating):
+            problems.append(f"{path}: dtype {params[name].dtype}, expected a float type")
     return problems
 
 

@@ -122,6 +122,8 @@ def _separated_sections(path: Path, separator: str):
 
 def _cmd_embed_long(args, model) -> int:
     """--stream FILE (one embedding of the whole file) or --sections FILE (one per section, in context)."""
+    from jaxembed.text import text_ids
+
     path = Path(args.stream or args.sections)
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
@@ -134,7 +136,7 @@ def _cmd_embed_long(args, model) -> int:
         emb = model.encode_stream(_file_blocks(path), prompt=prompt, **options)[None]
         rows = [{"file": str(path), "tokens": model.last_stats["tokens"]}]
     elif args.section_tokens is not None:
-        ids = model.tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        ids = text_ids(model.tokenizer, path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
         n = args.section_tokens
         emb = model.encode_id_sections([ids[i: i + n] for i in range(0, len(ids), n)],
                                        normalize_embeddings=options["normalize_embeddings"],

@@ -42,7 +42,7 @@ import numpy as np
 
 from jaxembed.errors import DataError, check_positive_int
 from jaxembed.files import write_atomically, write_text_atomically
-from jaxembed.text import check_token_ids, make_batches, tokenize_texts
+from jaxembed.text import TEXT_TOKENIZATION, check_token_ids, make_batches, tokenize_texts
 from jaxembed.train.data import quiet_datasets
 
 FORMATS = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
@@ -322,7 +322,7 @@ def run_identity(model, corpus: Corpus, *, prompt, normalize, max_length, batch_
         "chunk_size": model.chunk_size, "kernels": model.kernels,
         "param_dtypes": sorted({str(leaf.dtype) for leaf in jax.tree.leaves(model.params)}),
         "eos_token_id": model.eos_token_id,
-        "tokenizer_sha256": _tokenizer_digest(model.tokenizer),
+        "tokenizer_sha256": _tokenizer_digest(model.tokenizer), "tokenization": TEXT_TOKENIZATION,
     }
     return json.loads(json.dumps({"model": model_identity, "corpus": corpus.identity(), "options": options}))
 

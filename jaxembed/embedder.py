@@ -14,6 +14,7 @@ truncated texts.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -38,6 +39,7 @@ from jaxembed.text import (  # noqa: F401  (re-exported: the embedder's public n
     check_token_ids,
     load_tokenizer,
     make_batches,
+    text_ids,
     tokenize_texts,
 )
 
@@ -80,6 +82,8 @@ class Embedder:
         chunk_size = config.chunk_size if chunk_size is None else chunk_size
         check_chunk_sizes(None, chunk_size)
         self.chunk_size = int(chunk_size)
+        if self.chunk_size != config.chunk_size:  # the family's own limits (RWKV7: at most wkv7.MAX_CHUNK), now
+            dataclasses.replace(config, chunk_size=self.chunk_size)
         self.params = models.cast_params(self.family, params, dtype)
         self.tokenizer = tokenizer
         if "{prompt}" not in query_template:
@@ -285,14 +289,14 @@ class Embedder:
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
-            prefix = prefix + self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            prefix = prefix + text_ids(self.tokenizer, prompt, add_special_tokens=False)["input_ids"]
         rows = []
         with tqdm(unit="section", desc="embedding sections",
                   disable=(None if show_progress_bar is None else not show_progress_bar)) as bar:
             for i, section in enumerate(sections):
                 if not isinstance(section, str):
                     raise TypeError(f"section {i} is a {type(section).__name__}, not a string")
-                ids = self.tokenizer(section, add_special_tokens=False)["input_ids"]
+                ids = text_ids(self.tokenizer, section, add_special_tokens=False)["input_ids"]
                 if not ids:
                     raise ValueError(f"section {i} is empty (no tokens): every section needs at least one token")
                 check_token_ids([ids], self.vocab_size)

@@ -26,7 +26,7 @@ from jax import lax
 from jaxembed import models
 from jaxembed.runtime import Runtime
 from jaxembed.schedule import _layers, check_chunk_sizes, init_states
-from jaxembed.text import bucket_length, check_token_ids
+from jaxembed.text import bucket_length, check_token_ids, text_ids
 
 
 @partial(jax.jit, static_argnums=(1, 4))
@@ -214,7 +214,7 @@ class IncrementalTokenizer:
         a prefix of the result (no clean split)."""
         context = self.context if context is None else context
         context_ids = self._context_ids if context == self.context else []
-        enc = self.tokenizer(context + text, add_special_tokens=False, return_offsets_mapping=True)
+        enc = text_ids(self.tokenizer, context + text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
         n = len(context_ids)
         if ids[:n] != context_ids:
@@ -225,8 +225,8 @@ class IncrementalTokenizer:
 
 def special_ids(tokenizer) -> tuple[list[int], list[int]]:
     """The special ids the tokenizer puts before and after a text (e.g. [bos] and [])."""
-    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
-    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    bare = text_ids(tokenizer, "a", add_special_tokens=False)["input_ids"]
+    full = text_ids(tokenizer, "a", add_special_tokens=True)["input_ids"]
     for i in range(len(full) - len(bare) + 1):
         if full[i: i + len(bare)] == bare:
             return list(full[:i]), list(full[i + len(bare):])

@@ -51,9 +51,23 @@ def cut_ids(ids: list[int], max_length: int | None, eos: int) -> tuple[list[int]
     return ids[: max_length - 1] + [eos], True
 
 
+# How text becomes ids besides the tokenizer's own rules; part of every cache key and run identity whose
+# contents depend on it, so ids made under an older rule are never reused ("special-as-text": `text_ids`)
+TEXT_TOKENIZATION = "special-as-text"
+
+
+def text_ids(tokenizer, text, *, add_special_tokens: bool, **kwargs):
+    """The tokenizer's encoding of user text, with special-token strings in it read as text
+    (`split_special_tokens`): "</s>" in a page of HTML is Mistral's EOS string, and parsed as the token
+    it would end the embedded sequence early, or take the place of the EOS that `tokenize_texts` appends."""
+    return tokenizer(text, add_special_tokens=add_special_tokens, split_special_tokens=True, **kwargs)
+
+
 def tokenize_texts(tokenizer, texts, eos: int, max_length: int | None = None) -> tuple[list[list[int]], int]:
-    """(token ids with EOS appended, number of texts cut to max_length). A cut text keeps its EOS."""
-    encoded = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+    """(token ids with EOS appended, number of texts cut to max_length). A cut text keeps its EOS. EOS is
+    appended unless the tokenizer's own special tokens already end the text with it (text itself
+    cannot: `text_ids`)."""
+    encoded = text_ids(tokenizer, list(texts), add_special_tokens=True)["input_ids"]
     out, truncated = [], 0
     for ids in encoded:
         ids = list(ids)

@@ -60,6 +60,7 @@ def test_missing_unexpected_and_misshaped_keys_are_named(broken_dir):
         del state["layers.1.mixer.A_log"]
         state["layers.0.mixer.extra"] = torch.zeros(3)
         state["layers.0.mixer.out_proj.weight"] = torch.zeros(64, 100)
+        state["layers.0.mixer.D"] = state["layers.0.mixer.D"].to(torch.int32)  # a weight must be real numbers
 
     _edit_weights(broken_dir, edit)
     with pytest.raises(ConversionError) as err:
@@ -68,6 +69,7 @@ def test_missing_unexpected_and_misshaped_keys_are_named(broken_dir):
     assert "1 missing key(s)" in text and "layers.1.mixer.A_log" in text
     assert "1 unexpected key(s)" in text and "layers.0.mixer.extra" in text
     assert "1 misshaped key(s)" in text and "layers.0.mixer.out_proj.weight: shape (64, 100)" in text
+    assert "1 non-float key(s)" in text and "layers.0.mixer.D: dtype int32, expected a float type" in text
 
 
 def test_unsupported_and_unreadable_checkpoints(tmp_path):

@@ -52,6 +52,34 @@ def test_empty_string_is_eos_alone(embedder, tokenizer):
     assert rel_err(emb.encode("", normalize_embeddings=False), ref) < TOLERANCE["float32"]
 
 
+def test_special_token_strings_in_text_are_text(embedder, tokenizer):
+    """A text holding the EOS string ("<eos>" here; Mistral's "</s>" is an HTML tag) is embedded as text:
+    the string is not read as the EOS token, so it neither takes the place of the appended EOS nor ends
+    the sequence early, and EOS comes exactly once, last, also from a tokenizer that adds EOS itself.
+    The stream path agrees."""
+    from tokenizers.processors import TemplateProcessing
+
+    emb, model = embedder
+    eos, literal = tokenizer.eos_token_id, tokenizer.eos_token
+    texts = ["sort a list" + literal, "sort " + literal + " a list", "sort a list"]
+    ids = emb.tokenize(texts)
+    for text, seq in zip(texts, ids, strict=True):
+        assert seq.count(eos) == 1 and seq[-1] == eos, (text, seq)
+        assert seq[:-1] == tokenizer(text, split_special_tokens=True)["input_ids"]
+    assert ids[0] != ids[2] and len(ids[1]) > len(ids[2]) + 1
+    out = emb.encode(texts[:2], normalize_embeddings=False)
+    np.testing.assert_array_less([rel_err(o, r) for o, r in zip(out, hf_last_hidden(model, ids[:2]), strict=True)],
+                                 TOLERANCE["float32"])
+    assert rel_err(emb.encode_stream(["sort ", literal[:2], literal[2:] + " a list"], normalize_embeddings=False),
+                   out[1]) < 1e-6
+    adds_eos = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer.__class__.from_str(
+        tokenizer.backend_tokenizer.to_str()), eos_token=literal)
+    adds_eos.backend_tokenizer.post_processor = TemplateProcessing(single=f"$A {literal}",
+                                                                   special_tokens=[(literal, eos)])
+    with_own_eos = jaxembed.Embedder(emb.params, emb.config, tokenizer=adds_eos)
+    assert with_own_eos.tokenize(texts) == ids
+
+
 def test_query_template_only_on_queries(embedder, tokenizer):
     emb, model = embedder
     q = emb.encode_query(["sort a list"], instruction="Retrieve code for the query")

@@ -103,6 +103,39 @@ def test_a_checkpoint_records_a_checksum_per_tensor_and_an_identity(saved, tmp_p
     assert checkpoint.load(again)[3] == ident != checkpoint.load(other)[3]  # same weights, same identity
 
 
+def test_params_rewritten_under_stale_tensor_checksums_are_refused_by_tensor(saved, tmp_path):
+    """Params written again (one tensor changed) under a manifest whose file checksums were brought up
+    to date and whose tensor checksums were not: the files pass, the tensors do not, and the error
+    names the tensor instead of loading it under the old model's fingerprint. A tensor stored as
+    ints (every checksum consistent) is named too."""
+    import json
+
+    import orbax.checkpoint as ocp
+
+    def rewrite(edit):
+        copy = tmp_path / f"ckpt{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(saved["mamba2"], copy)
+        params = jax.tree.map(np.asarray, ocp.StandardCheckpointer().restore(copy / "params"))
+        edit(params["layers"])
+        shutil.rmtree(copy / "params")
+        with ocp.StandardCheckpointer() as writer:
+            writer.save(copy / "params", params)
+        manifest = json.loads((copy / checkpoint.MANIFEST).read_text())
+        manifest["checksums"]["files"] = checkpoint.file_checksums(copy)
+        if np.issubdtype(params["layers"]["A_log"].dtype, np.integer):
+            manifest["checksums"]["tensors"] = checkpoint.tensor_checksums(params)
+        (copy / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+        return copy
+
+    stale = rewrite(lambda layers: layers.update(A_log=layers["A_log"] + 1))
+    with pytest.raises(ConversionError, match="1 tensor.s. differ from the checksums recorded .*: layers/A_log$"):
+        checkpoint.load(stale)
+    checkpoint.load(stale, verify=False)  # asked not to check: loads
+    as_ints = rewrite(lambda layers: layers.update(A_log=layers["A_log"].astype(np.int32)))
+    with pytest.raises(ConversionError, match="layers/A_log: dtype int32, expected a float type"):
+        checkpoint.load(as_ints)
+
+
 def test_unknown_manifest_keys_and_bad_token_ids_are_errors(saved, tmp_path):
     import json
 

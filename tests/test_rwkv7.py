@@ -140,6 +140,14 @@ def blinkdl_model(tmp_path_factory):
     return path, state, seqs, blinkdl_last_hidden(state, seqs)
 
 
+def test_chunk_size_past_the_kernels_limit_is_refused_at_load(blinkdl_model):
+    """The WKV7 operator takes chunks of at most MAX_CHUNK tokens: a larger chunk_size asked of `load`
+    is an error there, naming the limit, not one raised while tracing the first encode."""
+    path = blinkdl_model[0]
+    with pytest.raises(ValueError, match=f"chunk_size = 128 exceeds {wkv7.MAX_CHUNK}"):
+        jaxembed.load(path.parent, chunk_size=128)
+
+
 def test_parity_with_blinkdl_package(blinkdl_model):
     path, state, seqs, ref = blinkdl_model
     emb = jaxembed.load(path.parent, chunk_size=Q)

@@ -122,8 +122,13 @@ def test_malformed_parquet_names_row(tmp_path):
                              "negatives": [["n"], ["n"], ["n"]]}), f)
     with pytest.raises(DataError, match=r"bad\.parquet: row 2: field 'query' must be a string, got null"):
         load_triples(f)
-    pq.write_table(pa.table({"query": ["a"], "positive": ["p"]}), f)
-    with pytest.raises(DataError, match=r"bad\.parquet: row 1: missing field 'negatives'"):
+    pq.write_table(pa.table({"query": ["a"], "positive": ["p"]}), f)  # pairs: no negatives field, none
+    with pytest.raises(DataError, match=r"no usable training rows in .*bad\.parquet: .*dropped 1 with fewer than 1 "):
+        load_triples(f)
+    pairs, report = load_triples(f, negatives_per_query=0)
+    assert pairs["bad"]["negatives"] == [[]] and report.kept == 1
+    pq.write_table(pa.table({"query": ["a"], "negatives": [["n"]]}), f)
+    with pytest.raises(DataError, match=r"bad\.parquet: row 1: missing field 'positive'"):
         load_triples(f)
     f.write_bytes(b"not parquet at all")
     with pytest.raises(DataError, match=r"bad\.parquet: cannot read as parquet"):

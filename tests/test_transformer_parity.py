@@ -17,6 +17,11 @@ CASES = {
     "mistral_full_headdim24_causal_lm": ("MistralForCausalLM", dict(num_key_value_heads=4, sliding_window=None,
                                                                     head_dim=24)),
     "qwen2_bias_kv1": ("Qwen2Model", dict(num_key_value_heads=1, rope_theta=1e6)),
+    # transformers slides layers >= max_window_layers: 0 is every layer, the default 28 none of these 2
+    "qwen2_window4_every_layer": ("Qwen2Model", dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
+                                                       max_window_layers=0)),
+    "qwen2_window_from_layer_28": ("Qwen2Model", dict(num_key_value_heads=2, use_sliding_window=True,
+                                                        sliding_window=4)),
 }
 
 
@@ -113,3 +118,23 @@ def test_blockwise_attention_against_the_definition(t, window, block):
             assert np.abs(g).max() < 1e-6
             continue
         assert rel_err(g, d) < TOLERANCE["float32"]
+
+
+def test_qwen2_window_on_some_layers_only_is_refused():
+    """A window on some layers only (max_window_layers inside the stack, or mixed layer_types) is named
+    and refused; layer_types, when present, decide over max_window_layers, as in transformers."""
+    from jaxembed.convert import ConversionError
+    from jaxembed.convert.transformer import _qwen2_window
+
+    base = dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8)
+    assert _qwen2_window({**base, "max_window_layers": 0}, "x") == 8
+    assert _qwen2_window({**base, "max_window_layers": 4}, "x") is None
+    assert _qwen2_window({**base, "use_sliding_window": False, "max_window_layers": 0}, "x") is None
+    assert _qwen2_window({**base, "layer_types": ["sliding_attention"] * 4, "max_window_layers": 28}, "x") == 8
+    with pytest.raises(ConversionError, match=r"x: Qwen2 with a sliding window on 3 of its 4 layers \(from "
+                                              r"max_window_layers=1\) is not supported"):
+        _qwen2_window({**base, "max_window_layers": 1}, "x")
+    with pytest.raises(ConversionError, match="on 1 of its 4 layers .from layer_types"):
+        _qwen2_window({**base, "layer_types": ["full_attention"] * 3 + ["sliding_attention"]}, "x")
+    with pytest.raises(ConversionError, match="layer_types has 3 entries for 4 layers"):
+        _qwen2_window({**base, "layer_types": ["full_attention"] * 3}, "x")

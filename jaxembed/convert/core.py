@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from tqdm import tqdm
 
-from jaxembed.convert.sources import ConversionError, TensorSource
+from jaxembed.convert.sources import FLOAT_DTYPES, ConversionError, TensorSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +144,7 @@ def convert_tensors(
     names = normalise_keys(source.keys(), renames)
     active = [r for r in rules if _leaf(shapes, r.path) is not None]
     plan: list[tuple[Rule, int | None, str]] = []  # (rule, layer index, raw key)
-    missing, misshaped, matched = [], [], set()
+    missing, misshaped, not_float, matched = [], [], [], set()
     for rule in active:
         expected = tuple(_leaf(shapes, rule.path))
         per_key = expected[1:] if rule.stacked else expected
@@ -160,13 +160,17 @@ def convert_tensors(
             if got != per_key:
                 misshaped.append(f"{raw}: shape {source.shape(raw)} ({rule.hook.name} -> {got}), expected {per_key}")
                 continue
+            if source.dtype(raw) not in FLOAT_DTYPES:  # weights are real numbers: an int tensor is not the model's
+                not_float.append(f"{raw}: dtype {source.dtype(raw)}, expected a float type ({', '.join(FLOAT_DTYPES)})")
+                continue
             plan.append((rule, i, raw))
     unexpected = [
         raw for name, raw in names.items() if raw not in matched and not any(re.fullmatch(p, name) for p in ignore)
     ]
-    if missing or unexpected or misshaped:
+    if missing or unexpected or misshaped or not_float:
         lines = []
-        for title, items in (("missing", missing), ("unexpected", unexpected), ("misshaped", misshaped)):
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("misshaped", misshaped),
+                             ("non-float", not_float)):
             if items:
                 shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
                 lines.append(f"{len(items)} {title} key(s):\n    " + "\n    ".join(shown))

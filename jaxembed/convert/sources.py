@@ -108,33 +108,45 @@ def weight_files(directory: Path, preferred: tuple[str, ...] = ()) -> list[Path]
     raise ConversionError(f"{directory}: no weight files (*.safetensors, *.bin) found")
 
 
+# safetensors' header dtype codes in numpy's spelling (torch's names match for the float types)
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+                      "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
 class TensorSource:
     """Read-only mapping name -> numpy array over one or more checkpoint files, loaded lazily."""
 
     def __init__(self, files: list[Path]):
         self._where: dict[str, Path] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
         self._torch: dict[Path, dict] = {}
         for file in files:
-            for name, shape in self._scan(file):
+            for name, shape, dtype in self._scan(file):
                 self._where[name] = file
                 self._shapes[name] = shape
+                self._dtypes[name] = dtype
 
-    def _scan(self, file: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
+    def _scan(self, file: Path) -> Iterator[tuple[str, tuple[int, ...], str]]:
+        """(name, shape, dtype name) of every tensor, from the file's header (safetensors) or the pickle."""
         if file.suffix == ".safetensors":
             from safetensors import safe_open
 
             try:
                 with safe_open(file, framework="numpy") as f:
                     for name in f.keys():
-                        yield name, tuple(f.get_slice(name).get_shape())
+                        tensor = f.get_slice(name)
+                        yield name, tuple(tensor.get_shape()), SAFETENSORS_DTYPES.get(tensor.get_dtype(),
+                                                                                      tensor.get_dtype())
             except Exception as err:
                 raise ConversionError(f"{file}: not a readable safetensors file ({err})") from None
         else:
             state = self._torch_load(file)
             for name, tensor in state.items():
                 if hasattr(tensor, "shape"):
-                    yield name, tuple(tensor.shape)
+                    yield name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
 
     def _torch_load(self, file: Path) -> dict:
         if file not in self._torch:
@@ -159,6 +171,10 @@ class TensorSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[name]
+
+    def dtype(self, name: str) -> str:
+        """The stored dtype's name (numpy's spelling: float32, bfloat16, int32, ...)."""
+        return self._dtypes[name]
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

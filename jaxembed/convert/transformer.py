@@ -79,13 +79,25 @@ def _config(raw: dict, origin: str) -> TransformerConfig:
 
 
 def _qwen2_window(raw: dict, origin: str):
-    """Qwen2 uses its window only with use_sliding_window, and only on layers >= max_window_layers."""
-    if not raw.get("use_sliding_window", False) or raw.get("sliding_window") is None:
+    """Qwen2's window as transformers reads it: a layer slides when its `layer_types` entry says so, and
+    when the config has none, layers from `max_window_layers` on (28 by default) slide if
+    `use_sliding_window`; without `use_sliding_window` there is no window at all. One window for
+    every layer or for none is supported."""
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+    n = raw["num_hidden_layers"]
+    first_sliding = raw.get("max_window_layers", 28)
+    types = raw.get("layer_types") or ["sliding_attention" if i >= first_sliding else "full_attention"
+                                       for i in range(n)]
+    if len(types) != n:
+        raise ConversionError(f"{origin}: layer_types has {len(types)} entries for {n} layers")
+    sliding = sum(t == "sliding_attention" for t in types) if window is not None else 0
+    if sliding == 0:
         return None
-    if raw.get("max_window_layers", 0) > 0:
-        raise ConversionError(f"{origin}: Qwen2 with sliding windows on some layers only (max_window_layers="
-                              f"{raw['max_window_layers']}) is not supported")
-    return raw["sliding_window"]
+    if sliding < n:
+        raise ConversionError(f"{origin}: Qwen2 with a sliding window on {sliding} of its {n} layers (from "
+                              f"{'layer_types' if raw.get('layer_types') else f'max_window_layers={first_sliding}'}) "
+                              f"is not supported; a window on every layer or on none is")
+    return window
 
 
 def export_layout(cfg: TransformerConfig, *, lm_head: bool, dtype: str) -> ExportLayout:

@@ -108,10 +108,13 @@ def evaluation_identity(model, args, max_length) -> str:
     other settings, never share cached results; the same model and settings reuse them."""
     import xxhash
 
+    from jaxembed.text import TEXT_TOKENIZATION
+
     vocab = model.tokenizer.get_vocab() if hasattr(model.tokenizer, "get_vocab") else None
     what = {"model": model.fingerprint, "dtype": str(args.dtype), "template": args.template,
             "instructions": args.instructions, "max_length": max_length, "query_template": model.query_template,
-            "tokenizer": xxhash.xxh3_64_hexdigest(json.dumps(vocab, sort_keys=True).encode())}
+            "tokenizer": xxhash.xxh3_64_hexdigest(json.dumps(vocab, sort_keys=True).encode()),
+            "tokenization": TEXT_TOKENIZATION}
     return "fp-" + xxhash.xxh3_64_hexdigest(json.dumps(what, sort_keys=True).encode())
 
 

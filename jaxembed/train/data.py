@@ -3,7 +3,8 @@
 One record per line of a ``.jsonl``/``.json`` file (a JSON array of records in a ``.json`` file works too) or
 one row of a ``.parquet`` file::
 
-    {"query": str, "positive": str, "negatives": [str, ...], "instruction": str (optional), "source": str (optional)}
+    {"query": str, "positive": str, "negatives": [str, ...] (optional: none), "instruction": str (optional),
+     "source": str (optional)}
 
 ``source`` defaults to the file's stem and ``instruction`` to ``""`` (the trainer applies its per-source default
 when empty). Other fields are ignored. `load_triples` returns one `datasets.Dataset` per source plus a
@@ -37,7 +38,7 @@ JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 ALLOWED_SUFFIXES = JSON_SUFFIXES + PARQUET_SUFFIXES
 COLUMNS = ("query", "positive", "negatives", "instruction", "source")
-_REQUIRED = ("query", "positive", "negatives")
+_REQUIRED = ("query", "positive")  # negatives may be left out: none (in-batch negatives only, or `jaxembed mine`)
 _OPTIONAL = ("instruction", "source")
 _PLAN_ORDER_TAG = 0x6F726472  # "ordr": keeps the batch-order stream apart from every per-source stream
 
@@ -206,7 +207,7 @@ def _fast_records(path: Path) -> list[dict[str, Any]] | None:
 
     if not (is_str(schema.field("query").type) and is_str(schema.field("positive").type)):
         return None
-    if not is_str_list(schema.field("negatives").type):
+    if "negatives" in names and not is_str_list(schema.field("negatives").type):
         return None
     for c in _OPTIONAL:
         if c in names and not (is_str(schema.field(c).type) or pa.types.is_null(schema.field(c).type)):
@@ -214,6 +215,8 @@ def _fast_records(path: Path) -> list[dict[str, Any]] | None:
 
     n = table.num_rows
     cols = {c: table.column(c).to_pylist() if c in names else [None] * n for c in COLUMNS}
+    if "negatives" not in names:
+        cols["negatives"] = [[] for _ in range(n)]
     stem = path.stem
     records = []
     for q, p, negs, ins, src in zip(*(cols[c] for c in COLUMNS), strict=True):
@@ -268,14 +271,15 @@ def _type_name(value) -> str:
 
 def _validate(row, path: Path, where: str) -> dict[str, Any]:
     if not isinstance(row, dict):
-        raise DataError(f"{path}: {where}: expected a JSON object with query/positive/negatives, got {_type_name(row)}")
+        raise DataError(f"{path}: {where}: expected a JSON object with query/positive (and negatives), got "
+                        f"{_type_name(row)}")
     for c in _REQUIRED:
         if c not in row:
             raise DataError(f"{path}: {where}: missing field {c!r}")
     for c in ("query", "positive"):
         if not isinstance(row[c], str):
             raise DataError(f"{path}: {where}: field {c!r} must be a string, got {_type_name(row[c])}")
-    negs = row["negatives"]
+    negs = row.get("negatives", [])
     if not isinstance(negs, (list, tuple)):
         raise DataError(f"{path}: {where}: field 'negatives' must be a list of strings, got {_type_name(negs)}")
     for i, n in enumerate(negs):

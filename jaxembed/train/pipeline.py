@@ -21,7 +21,7 @@ import xxhash
 
 from jaxembed.text import bucket_length, cut_ids, tokenize_texts
 
-CACHE_FORMAT = 1  # bump when the cached columns change
+CACHE_FORMAT = 2  # bump when the cached columns change (2: special-token strings in text are text, `text_ids`)
 
 
 @dataclasses.dataclass(frozen=True)
