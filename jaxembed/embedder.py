@@ -35,6 +35,7 @@ from jaxembed.text import (  # noqa: F401  (re-exported: the embedder's public n
     batch_bucket,
     batch_shapes,
     bucket_length,
+    check_query_template,
     check_texts,
     check_token_ids,
     load_tokenizer,
@@ -86,9 +87,7 @@ class Embedder:
             dataclasses.replace(config, chunk_size=self.chunk_size)
         self.params = models.cast_params(self.family, params, dtype)
         self.tokenizer = tokenizer
-        if "{prompt}" not in query_template:
-            raise ValueError(f"query_template must contain '{{prompt}}', got {query_template!r}")
-        self.query_template = query_template
+        self.query_template = check_query_template(query_template)
         self.default_instruction = default_instruction
         check_positive_int("max_tokens_per_batch", max_tokens_per_batch, optional=True)
         self.max_tokens_per_batch = max_tokens_per_batch

@@ -5,11 +5,31 @@ the number of compiled programs both bounded). Nothing here knows about models.
 
 from __future__ import annotations
 
+import string
 from pathlib import Path
 
 import numpy as np
 
 QUERY_TEMPLATE = "Instruction: {prompt}\nQuery: "  # Section 3.1; E5 models use "Instruct: {prompt}\nQuery: "
+
+
+def check_query_template(template, *, name: str = "query_template", error=ValueError) -> str:
+    """A query template is text with exactly one placeholder, {prompt} (the instruction), where it may
+    appear more than once; literal braces are doubled. Anything else would fail at the first query."""
+    if not isinstance(template, str):
+        raise error(f"{name} must be a string with '{{prompt}}', got {type(template).__name__}")
+    try:
+        fields = {field for _, field, _, _ in string.Formatter().parse(template) if field is not None}
+    except ValueError as err:
+        raise error(f"{name} {template!r} is not a valid template ({err}); write a literal brace as {{{{ or }}}}") \
+            from None
+    if fields != {"prompt"}:
+        other = ", ".join("{" + field + "}" for field in sorted(fields - {"prompt"}))
+        raise error(f"{name} must contain '{{prompt}}' and no other placeholder, got {template!r}"
+                    + (f" (other placeholders: {other}; write a literal brace as {{{{ or }}}})" if other else ""))
+    return template
+
+
 MIN_BUCKET = 16
 # bucket lengths above Q are Q times one of these: few programs, bounded padding
 _MULTIPLIERS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)

@@ -128,9 +128,13 @@ def test_margin_skips_a_near_duplicate_of_the_positive_and_whitespace_duplicates
 
 
 def test_other_positives_of_the_same_query_are_not_negatives():
-    pairs = PAIRS + [(PAIRS[0][0], "python lists sort in place with list sort")]  # a second positive for query 0
-    out, _ = mine_negatives(records_of(pairs), negatives=3, margin=None)
-    assert pairs[-1][1] not in out[0]["negatives"] and PAIRS[0][1] not in out[-1]["negatives"]
+    """The same query, also written with other whitespace: its positives are never its negatives."""
+    second = "python lists sort in place with list sort"
+    for query in (PAIRS[0][0], " " + PAIRS[0][0].replace(" ", "  \t") + "\n"):
+        pairs = PAIRS + [(query, second)]  # a second positive for query 0
+        out, stats = mine_negatives(records_of(pairs), negatives=3, margin=None)
+        assert second not in out[0]["negatives"] and PAIRS[0][1] not in out[-1]["negatives"], query
+        assert stats["skipped_positive"] >= 2
 
 
 def test_a_positive_sharing_no_term_skips_the_margin_and_a_query_without_terms_gets_none():
@@ -178,6 +182,23 @@ def test_mine_file_keeps_every_field_in_order_and_loads_as_triples(tmp_path):
     datasets, report = load_triples(out, negatives_per_query=2)
     assert report.kept == len(rows) - stats["fewer_than_requested"] and report.kept >= 8
     assert datasets["code"]["negatives"] == [r["negatives"] for r in mined if len(r["negatives"]) == 2]
+
+
+def test_mine_file_takes_pairs_without_negatives_and_a_byte_order_mark(tmp_path):
+    """Query/positive pairs (no negatives field, what mining starts from), in a file that begins with a
+    UTF-8 byte-order mark: mined, and the output trains."""
+    src = tmp_path / "pairs.jsonl"
+    src.write_text("\ufeff" + "".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in PAIRS),
+                   encoding="utf-8")
+    out = tmp_path / "mined.jsonl"
+    stats = mine_file(src, out, negatives=1, margin=None)
+    mined = [json.loads(line) for line in out.read_text().splitlines()]
+    found = len(PAIRS) - stats["fewer_than_requested"]
+    assert [(r["query"], r["positive"]) for r in mined] == list(PAIRS) and stats["mined"] == found >= 8
+    datasets, report = load_triples(out, negatives_per_query=1)
+    assert report.kept == found
+    pairs_only, report = load_triples(src, negatives_per_query=0)
+    assert report.kept == len(PAIRS) and pairs_only["pairs"]["negatives"] == [[]] * len(PAIRS)
 
 
 def test_mine_file_refuses_to_replace_files_and_names_bad_lines(tmp_path):

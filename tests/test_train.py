@@ -482,6 +482,34 @@ def test_full_training_config():
         config_from_dict({**base, "lora": None, "quantization": "nf4"})
 
 
+def test_a_stdlib_bpe_size_that_is_not_a_number_is_named():
+    from jaxembed.train.trainer import _tokenizer
+
+    for spec in ("stdlib-bpe:abc", "stdlib-bpe:", "stdlib-bpe:0", "stdlib-bpe:-5"):
+        with pytest.raises(ConfigError, match=f"model.tokenizer: '{spec}': stdlib-bpe:N takes a vocabulary size N"):
+            _tokenizer(spec, None)
+
+
+@pytest.mark.parametrize("template, message", [
+    ("Instruct: {prompt} {x}\nQuery: ", r"no other placeholder.*other placeholders: \{x\}"),
+    ("Instruct: {prompt} {}\nQuery: ", r"other placeholders: \{\}"),
+    ("Instruct: {prompt} {\nQuery: ", r"not a valid template .* write a literal brace as \{\{ or \}\}"),
+    ("Instruct: {instruction}\nQuery: ", "must contain '{prompt}'"),
+])
+def test_a_query_template_with_other_placeholders_is_a_config_error(template, message):
+    """A template is checked as what it is used for (`str.format(prompt=...)`), when the config is read: not a
+    KeyError at the first query. `{{` and `}}` are literal braces, and {prompt} may appear twice."""
+    from jaxembed.text import check_query_template
+    from jaxembed.train.config import config_from_dict
+
+    base = {"model": {"init": "configs/models/tiny-train-mamba2.yaml"}, "data": {"train": ["x.jsonl"]}}
+    with pytest.raises(ConfigError, match="data.query_template .*" + message):
+        config_from_dict({**base, "data": {**base["data"], "query_template": template}})
+    with pytest.raises(ValueError, match="query_template .*" + message):
+        check_query_template(template)
+    assert check_query_template("{{json}} {prompt}: {prompt}\n") == "{{json}} {prompt}: {prompt}\n"
+
+
 def test_init_options_reach_the_family_init():
     """model.init_options are the family's init keywords (Mamba2: mamba_ssm's A_init_range, dt_min, ...);
     an option the family does not take is an error that lists the ones it does."""
@@ -531,6 +559,11 @@ def test_grad_cache_auto_fits_the_step_in_memory(tmp_path):
     assert chosen in (2, 4) and trainer.step_bytes[chosen] <= limit < full
     with pytest.raises(ConfigError, match=r"grad_cache_size=None: the step needs more .* grad_cache_size: \d+ fits"):
         trainer._fit_grad_cache(None, limit)
+    # the smallest size there is, not fitting either: no smaller one to name, and the error says so
+    measured, trainer._step_bytes = trainer._step_bytes, lambda g: 2**30
+    with pytest.raises(ConfigError, match=r"even one sub-batch of 1 queries needs more than the device's 0.5 GiB"):
+        trainer._fit_grad_cache(1, 2**29)
+    trainer._step_bytes = measured
     # the pipelined run: one row per step, metrics read back per window, throughput and input wait in them
     steps = [r for r in trainer.run() if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["loss"]) for r in steps)

@@ -89,7 +89,7 @@ def test_drops_are_counted_per_source(tmp_path):
     assert list(data) == ["a"] and data["a"]["query"] == ["q0", "q6"]
     s = report.summary()
     assert "kept 2" in s and "dropped 3 with an empty" in s and "dropped 2 with fewer than 2 negatives" in s
-    with pytest.raises(DataError, match="no usable training rows"):
+    with pytest.raises(DataError, match="no usable rows"):
         load_triples(write_jsonl(tmp_path / "e.jsonl", rows[1:4]), negatives_per_query=2)
 
 
@@ -123,7 +123,7 @@ def test_malformed_parquet_names_row(tmp_path):
     with pytest.raises(DataError, match=r"bad\.parquet: row 2: field 'query' must be a string, got null"):
         load_triples(f)
     pq.write_table(pa.table({"query": ["a"], "positive": ["p"]}), f)  # pairs: no negatives field, none
-    with pytest.raises(DataError, match=r"no usable training rows in .*bad\.parquet: .*dropped 1 with fewer than 1 "):
+    with pytest.raises(DataError, match=r"no usable rows .* in .*bad\.parquet: .*dropped 1 with fewer than 1 "):
         load_triples(f)
     pairs, report = load_triples(f, negatives_per_query=0)
     assert pairs["bad"]["negatives"] == [[]] and report.kept == 1

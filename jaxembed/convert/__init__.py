@@ -107,11 +107,9 @@ def convert(src, dst, *, dtype=None, verify: bool = False, tokenizer=None, query
     only with `overwrite`, and a kill at any point leaves the old one or the new one, complete.
     """
     from jaxembed import checkpoint
-    from jaxembed.embedder import QUERY_TEMPLATE, load_tokenizer
+    from jaxembed.embedder import QUERY_TEMPLATE, check_query_template, load_tokenizer
 
-    query_template = query_template or QUERY_TEMPLATE
-    if "{prompt}" not in query_template:
-        raise ConversionError(f"query_template must contain '{{prompt}}', got {query_template!r}")
+    query_template = check_query_template(query_template or QUERY_TEMPLATE, error=ConversionError)
     dst = Path(dst).expanduser()
     if dst.exists() and not dst.is_dir():
         raise ConversionError(f"{dst}: exists and is not a directory")

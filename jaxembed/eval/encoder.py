@@ -20,6 +20,7 @@ from mteb.models import ModelMeta
 from mteb.models.abs_encoder import AbsEncoder
 
 from jaxembed.eval.instructions import applies_to, instruction_for
+from jaxembed.text import check_query_template
 
 INSTRUCTION_MODES = ("paper", "paper-only", "none")
 # the two templates the paper and E5 use ("{prompt}" is the instruction)
@@ -55,8 +56,7 @@ class MtebEncoder(AbsEncoder):
         if instructions not in INSTRUCTION_MODES:
             raise ValueError(f"instructions must be one of {INSTRUCTION_MODES}, got {instructions!r}")
         template = embedder.query_template if template is None else TEMPLATES.get(template, template)
-        if "{prompt}" not in template:
-            raise ValueError(f"template must be 'paper', 'e5' or contain '{{prompt}}', got {template!r}")
+        check_query_template(template, name="template ('paper', 'e5' or a template)")
         if "/" not in name:
             raise ValueError(f"name must look like 'organization/model' (mteb's results layout), got {name!r}")
         self.model = embedder

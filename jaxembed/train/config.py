@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from jaxembed.config import ConfigError
-from jaxembed.embedder import QUERY_TEMPLATE
+from jaxembed.embedder import QUERY_TEMPLATE, check_query_template
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +138,7 @@ class TrainConfig:
                               "(full-parameter training) set quantization: null")
         if self.model.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"model.dtype must be float32 or bfloat16, got {self.model.dtype!r}")
-        if "{prompt}" not in self.data.query_template:
-            raise ConfigError(f"data.query_template must contain '{{prompt}}', got {self.data.query_template!r}")
+        check_query_template(self.data.query_template, name="data.query_template", error=ConfigError)
         t = self.train
         for name in ("batch_size", "epochs", "warmup_steps", "log_every", "length_groups"):
             if getattr(t, name) < (0 if name == "warmup_steps" else 1):

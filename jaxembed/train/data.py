@@ -116,7 +116,8 @@ def load_triples(
     report.dropped_empty = dict(sorted(report.dropped_empty.items()))
     report.dropped_few_negatives = dict(sorted(report.dropped_few_negatives.items()))
     if not report.kept:
-        raise DataError(f"no usable training rows in {', '.join(map(str, paths))}: {report.summary()}")
+        raise DataError(f"no usable rows (query, positive and enough negatives) in {', '.join(map(str, paths))}: "
+                        f"{report.summary()}")
     features = datasets.Features({
         "query": datasets.Value("string"),
         "positive": datasets.Value("string"),
@@ -240,7 +241,7 @@ def _scan_records(path: Path) -> list[dict[str, Any]]:
         return [_validate(row, path, f"row {i}") for i, row in enumerate(rows, 1)]
 
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is not part of the first record
     except UnicodeDecodeError as e:
         line = path.read_bytes()[: e.start].count(b"\n") + 1
         raise DataError(f"{path}: line {line}: not valid UTF-8 ({e.reason})") from None

@@ -70,9 +70,10 @@ def mine_negatives(records, *, negatives: int, method: str = "bm25", embedder=No
         raise DataError(f"need at least 2 distinct non-blank positives to mine negatives from, got {len(pool)}")
     pool_index = {text: j for j, text in enumerate(pool)}
     pool_normalised = [_collapse_whitespace(text) for text in pool]
-    positives_of_query: dict[str, set[str]] = {}
+    positives_of_query: dict[str, set[str]] = {}  # by the query with whitespace collapsed, as the positives
     for i in active:
-        positives_of_query.setdefault(records[i]["query"], set()).add(_collapse_whitespace(records[i]["positive"]))
+        positives_of_query.setdefault(_collapse_whitespace(records[i]["query"]), set()).add(
+            _collapse_whitespace(records[i]["positive"]))
 
     queries = [records[i]["query"] for i in active]
     positive = np.array([pool_index[records[i]["positive"]] for i in active], np.int32)
@@ -90,7 +91,7 @@ def mine_negatives(records, *, negatives: int, method: str = "bm25", embedder=No
     for row, top_scores, top_index, positive_score in ranked:
         use_margin = margin is not None and positive_score > 0
         counts["margin_not_applied"] += margin is not None and not use_margin
-        own = positives_of_query[queries[row]]
+        own = positives_of_query[_collapse_whitespace(queries[row])]
         chosen = []
         for rank, (score, j) in enumerate(zip(top_scores.tolist(), top_index.tolist(), strict=True)):
             if method == "bm25" and score <= 0:
@@ -124,7 +125,10 @@ def mine_file(in_path, out_path, *, overwrite: bool = False, **kwargs) -> dict:
     in_path, out_path = Path(in_path), Path(out_path)
     _check_paths(in_path, out_path, overwrite=overwrite)
     _scan_records(in_path)  # the trainer's checks: DataError naming the first bad line
-    out, stats = mine_negatives(_raw_records(in_path), **kwargs)
+    records = _raw_records(in_path)
+    if not records:
+        raise DataError(f"{in_path}: no records to mine (the file is empty)")
+    out, stats = mine_negatives(records, **kwargs)
     write_text_atomically(out_path, "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in out))
     return stats
 
@@ -305,7 +309,7 @@ def _check_paths(in_path: Path, out_path: Path, *, overwrite: bool) -> None:
 
 def _raw_records(path: Path) -> list[dict]:
     """The records with every field (`_scan_records` keeps the trainer's only), split as it splits them."""
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is not part of the first record
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
         return json.loads(text)
     return [json.loads(line) for line in text.split("\n") if line.strip()]

@@ -100,7 +100,10 @@ def _tokenizer(spec, directory):
     if isinstance(spec, str) and spec.startswith("stdlib-bpe:"):
         from jaxembed.testing import make_tokenizer
 
-        return make_tokenizer(int(spec.split(":", 1)[1]))
+        size = spec.split(":", 1)[1]
+        if not size.isdigit() or int(size) < 1:
+            raise ConfigError(f"model.tokenizer: {spec!r}: stdlib-bpe:N takes a vocabulary size N, a positive integer")
+        return make_tokenizer(int(size))
     return load_tokenizer(spec, directory)
 
 
@@ -285,6 +288,7 @@ class Trainer:
             return wanted  # host memory: the step is not checked (a compile more per run for little)
         limit = memory_limit_bytes if memory_limit_bytes is not None else sh.device_memory_bytes(self.mesh)
         candidates = [g for g in range(b, 0, -1) if b % g == 0 and g % self.shards == 0]
+        smallest = candidates[-1]  # one query per batch shard, at the least
         if wanted != "auto":
             need = self._step_bytes(wanted)
             if need is not None and need <= limit:
@@ -296,10 +300,10 @@ class Trainer:
                 if wanted == "auto":
                     return None if g == b else g
                 raise ConfigError(
-                    f"train.grad_cache_size={wanted}: the step needs more than the device's {limit / 2**30:.1f} GiB; "
-                    f"grad_cache_size: {g} fits ({need / 2**30:.2f} GiB), or set grad_cache_size: auto")
-        raise ConfigError(f"train.batch_size={b}: even one sub-batch of {candidates[-1]} queries needs more than the "
-                          f"device's {limit / 2**30:.1f} GiB; lower data.max_tokens or use a smaller model")
+                    f"train.grad_cache_size={wanted}: the step needs more than the device's {_gib(limit)}; "
+                    f"grad_cache_size: {g} fits ({_gib(need)}), or set grad_cache_size: auto")
+        raise ConfigError(f"train.batch_size={b}: even one sub-batch of {smallest} queries needs more than the "
+                          f"device's {_gib(limit)}; lower data.max_tokens or use a smaller model")
 
     # ---- data -------------------------------------------------------------------------
     def _plan(self, epoch: int):
@@ -560,6 +564,10 @@ class Trainer:
         return checkpoint.save(directory, self.config, params, embedder={"query_template": self.query_template},
                                source=f"jaxembed train ({self.cfg.model.path or self.cfg.model.init})",
                                tokenizer=self.tokenizer, overwrite=True)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB"
 
 
 def expand_globs(patterns) -> list[str]:
