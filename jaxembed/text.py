@@ -80,6 +80,8 @@ def text_ids(tokenizer, text, *, add_special_tokens: bool, **kwargs):
     """The tokenizer's encoding of user text, with special-token strings in it read as text
     (`split_special_tokens`): "</s>" in a page of HTML is Mistral's EOS string, and parsed as the token
     it would end the embedded sequence early, or take the place of the EOS that `tokenize_texts` appends."""
+    if type(tokenizer).__name__.startswith("MistralCommon"):  # mistral-common never reads them from text, and
+        return tokenizer(text, add_special_tokens=add_special_tokens, **kwargs)  # refuses the option
     return tokenizer(text, add_special_tokens=add_special_tokens, split_special_tokens=True, **kwargs)
 
 

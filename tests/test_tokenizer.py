@@ -70,3 +70,22 @@ def test_cli_names_the_bad_record(tmp_path, capsys, line, message):
     err = capsys.readouterr().err
     assert message in err and "line 2" in err
     assert not (tmp_path / "bpe").exists()
+
+
+def test_mistral_common_tokenizers_are_not_given_split_special_tokens():
+    """mistral-common's transformers backend refuses `split_special_tokens` (it never reads special tokens
+    out of text, so there is nothing to split): `text_ids` calls it without; every other tokenizer with."""
+    from jaxembed.text import text_ids
+
+    class MistralCommonBackend:  # the class name is what `text_ids` goes by
+        def __call__(self, text, **kwargs):
+            if "split_special_tokens" in kwargs:
+                raise ValueError("`MistralCommonBackend` does not support `split_special_tokens`.")
+            return {"input_ids": [7, 8]}
+
+    class OtherTokenizer(MistralCommonBackend):
+        def __call__(self, text, **kwargs):
+            return {"input_ids": [int(kwargs["split_special_tokens"])]}
+
+    assert text_ids(MistralCommonBackend(), "a </s>", add_special_tokens=True) == {"input_ids": [7, 8]}
+    assert text_ids(OtherTokenizer(), "a </s>", add_special_tokens=True) == {"input_ids": [1]}
