@@ -168,9 +168,11 @@ def test_parity_with_blinkdl_package(blinkdl_model):
 
 def test_bfloat16_close_to_float32_reference(blinkdl_model):
     """A bfloat16 model against BlinkDL's float32 outputs: bf16 weights (the decay bias w0 float32),
-    GEMMs that write bf16 as BlinkDL's and fla's bf16 modules do, except three that write float32: the
-    decay LoRA's second matmul (it feeds the log decays) and the two whose outputs are added to the
-    float32 residual stream (time mix's `output`, channel mix's `ffn_value`)."""
+    GEMMs that write bf16 as BlinkDL's and fla's bf16 modules do, except those that write float32: the
+    decay LoRA's second matmul (it feeds the log decays), the two whose outputs are added to the
+    float32 residual stream (time mix's `output`, channel mix's `ffn_value`), and the one GEMM of the
+    four LoRAs' first matrices on u, [(1 - mu) W | mu W] (`rwkv7._lora_inputs`), with its product for
+    the token before the first."""
     path, _, seqs, ref = blinkdl_model
     emb = jaxembed.load(path.parent, chunk_size=Q, dtype="bfloat16")
     layers = emb.params["layers"]
@@ -190,9 +192,43 @@ def test_bfloat16_close_to_float32_reference(blinkdl_model):
     # (with those inside custom_vjp calls: a GEMM writing float32, `weights.dot`)
     gemms = [eqn for eqn in jaxpr_equations(jaxpr.jaxpr) if eqn.primitive.name == "dot_general"
              and all(v.aval.dtype == jax.numpy.bfloat16 for v in eqn.invars)]
-    assert len(gemms) == len(rwkv7.LINEAR_PARAMS), [e.invars[1].aval.shape for e in gemms]
+    firsts = [m for _, m in rwkv7.LORA_INPUTS]
+    rank = sum(one_layer[m].shape[1] for m in firsts)
+    assert sorted(e.invars[1].aval.shape for e in gemms) == sorted(
+        [one_layer[n].shape for n in rwkv7.LINEAR_PARAMS if n not in firsts] + [(cfg.d_model, 2 * rank),
+                                                                                (cfg.d_model, rank)])
     float32_out = sorted(e.invars[1].aval.shape for e in gemms if e.outvars[0].aval.dtype == jax.numpy.float32)
-    assert float32_out == sorted(one_layer[n].shape for n in ("w2", "output", "ffn_value")), float32_out
+    assert float32_out == sorted([one_layer[n].shape for n in ("w2", "output", "ffn_value")]
+                                 + [(cfg.d_model, 2 * rank), (cfg.d_model, rank)]), float32_out
+
+
+def test_adapted_lora_matrices_take_each_mix_and_agree_with_the_one_gemm_of_u():
+    """The four LoRAs' first matrices as one GEMM of u against [(1 - mu) W | mu W] with its second half
+    shifted a token (`rwkv7._lora_inputs`, dense weights), and each mix written and multiplied as
+    BlinkDL does (adapted matrices: `weights.DerivedWeight`), give the same embedding: the merged
+    dense model against the adapted one, float32, in vertical chunks of 8 (the shift state enters the
+    GEMM's first row; `test_parity_with_blinkdl_package` has the one-GEMM path horizontally too)."""
+    from jaxembed import schedule
+    from jaxembed.train import lora as lora_lib
+
+    cfg = rwkv7.RWKV7Config(vocab_size=64, d_model=48, n_layers=2, head_size=16, d_ffn=80, decay_low_rank=8,
+                            a_low_rank=8, v_low_rank=4, gate_low_rank=12, chunk_size=8)
+    params = rwkv7.init_params(cfg, jax.random.key(0))
+    lora = lora_lib.LoraConfig(rank=4, alpha=8, targets=tuple(m for _, m in rwkv7.LORA_INPUTS))
+    adapters = lora_lib.init_adapters(cfg, params, lora, jax.random.key(1))
+    adapters = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(2), x.shape), adapters)
+    adapted, merged = lora_lib.apply(params, adapters, lora, cfg), lora_lib.merge(params, adapters, lora, cfg)
+    one_layer = jax.tree.map(lambda x: x[0], adapted["layers"])
+    u = jax.numpy.ones((1, 3, cfg.d_model))
+    assert rwkv7._lora_inputs(one_layer, u, u[:, 0]) is None  # adapted: each mix on its own
+    assert set(rwkv7._lora_inputs(jax.tree.map(lambda x: x[0], merged["layers"]), u, u[:, 0])) == {"w1", "a1", "v1",
+                                                                                                    "g1"}
+    rng = np.random.default_rng(4)
+    ids = jax.numpy.asarray(rng.integers(0, cfg.vocab_size, (2, 29)), jax.numpy.int32)
+    lengths = jax.numpy.asarray([29, 18])
+    got = schedule.embed(merged, cfg, ids, lengths, vertical_chunk_size=8, normalize=False, kernels="xla")
+    want = schedule.embed(adapted, cfg, ids, lengths, vertical_chunk_size=8, normalize=False, kernels="xla")
+    assert rel_err(got, want) < 1e-5, rel_err(got, want)
 
 
 def test_interpreted_kernel_with_sequence_segments_matches_blinkdl(blinkdl_model):

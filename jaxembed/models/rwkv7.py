@@ -40,6 +40,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxembed import kernels, weights
 from jaxembed.errors import ConfigError, check_positive_int, check_token_ids
@@ -250,6 +251,35 @@ def _token_shift(u, prev):
     return shifted.astype(F32) - u.astype(F32), u[:, -1]
 
 
+# The low-rank (LoRA) paths' first matrices, each applied to its own token-shift mix of u:
+# x_m = u (1 - mu_m) + u_prev mu_m, so x_m W = u [(1 - mu_m) W] + shift(u [mu_m W]) (a row shift
+# commutes with a product on the right). All four are one GEMM of u itself against [(1 - mu) W |
+# mu W] for every m, whose second half is shifted by a token after it: the four mixes are never
+# written and read (8 KB a token each at d = 4096), and u is read once.
+LORA_INPUTS = (("x_w", "w1"), ("x_a", "a1"), ("x_v", "v1"), ("x_g", "g1"))
+
+
+def _lora_inputs(p: dict, u, prev):
+    """{"w1": x_w @ w1, "a1": ..., "v1": ..., "g1": ...} [b, t, r_m] float32 by the one GEMM above; u [b, t, d] is
+    the normalised input, prev [b, d] its previous token (the shift state). None when a matrix is a
+    DerivedWeight (LoRA / NF4), which makes its own product."""
+    if any(weights.is_derived(p[m]) for _, m in LORA_INPUTS):
+        return None
+    dtype = p["w1"].dtype
+    mats = [p[m].astype(F32) for _, m in LORA_INPUTS]
+    mixes = [p[x].astype(F32)[:, None] for x, _ in LORA_INPUTS]
+    now = jnp.concatenate([w * (1 - mu) for w, mu in zip(mats, mixes, strict=True)], axis=1).astype(dtype)
+    before = jnp.concatenate([w * mu for w, mu in zip(mats, mixes, strict=True)], axis=1).astype(dtype)
+    rank = now.shape[1]
+    both = weights.dot(u, jnp.concatenate([now, before], axis=1), dtype)  # [b, t, 2 rank]
+    first = weights.dot(prev[:, None], before, dtype)  # the product of the token before u's first
+    is_first = jnp.arange(u.shape[1])[None, :, None] == 0
+    shifted = jnp.where(is_first, first, jnp.pad(both[:, :-1, rank:], ((0, 0), (1, 0), (0, 0))))
+    total = both[..., :rank] + shifted
+    ends = np.cumsum([w.shape[1] for w in mats])[:-1]
+    return dict(zip((m for _, m in LORA_INPUTS), jnp.split(total, ends, axis=-1), strict=True))
+
+
 def _heads(x, cfg):
     return x.reshape(*x.shape[:-1], cfg.n_heads, cfg.head_size)
 
@@ -266,13 +296,17 @@ def time_mix(cfg: RWKV7Config, p: dict, u, state: State, v_first, is_first, *, r
 
     r = _linear(mixed("x_r"), p["receptance"])
     k = _linear(mixed("x_k"), p["key"])
-    xv = mixed("x_v")
-    v = _linear(xv, p["value"])
-    w_lora = _linear(jnp.tanh(_linear(mixed("x_w"), p["w1"])), p["w2"], F32)  # the decay's: float32
-    a_lora = _linear(_linear(mixed("x_a"), p["a1"]), p["a2"])  # the in-context learning rate's, before a0
-    g = _linear(jax.nn.sigmoid(_linear(mixed("x_g"), p["g1"])), p["g2"])
+    v = _linear(mixed("x_v"), p["value"])
+    lora_in = _lora_inputs(p, u, state.shift_att)
+
+    def lora_down(mix, name):  # the LoRA's first product, x_mix @ p[name]
+        return lora_in[name] if lora_in is not None else _linear(mixed(mix), p[name])
+
+    w_lora = _linear(jnp.tanh(lora_down("x_w", "w1")), p["w2"], F32)  # the decay's: float32
+    a_lora = _linear(lora_down("x_a", "a1"), p["a2"])  # the in-context learning rate's, before a0
+    g = _linear(jax.nn.sigmoid(lora_down("x_g", "g1")), p["g2"])
     # Value residual: layer 0's values are the stream's v_first; later layers mix them in.
-    v_gate = jax.nn.sigmoid(p["v0"].astype(F32) + _linear(_linear(xv, p["v1"]), p["v2"]))
+    v_gate = jax.nn.sigmoid(p["v0"].astype(F32) + _linear(lora_down("x_v", "v1"), p["v2"]))
     v_first = jnp.where(is_first, v, v_first)
     v = jnp.where(is_first, v, v + (v_first - v) * v_gate).astype(v_first.dtype)  # the GEMMs' dtype
     # the decay's logits: the operator maps them to log w = -exp(-1/2) sigmoid(.) as it loads them
