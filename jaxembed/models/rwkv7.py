@@ -40,7 +40,6 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxembed import kernels, weights
 from jaxembed.errors import ConfigError, check_positive_int, check_token_ids
@@ -274,10 +273,13 @@ def _lora_inputs(p: dict, u, prev):
     both = weights.dot(u, jnp.concatenate([now, before], axis=1), dtype)  # [b, t, 2 rank]
     first = weights.dot(prev[:, None], before, dtype)  # the product of the token before u's first
     is_first = jnp.arange(u.shape[1])[None, :, None] == 0
-    shifted = jnp.where(is_first, first, jnp.pad(both[:, :-1, rank:], ((0, 0), (1, 0), (0, 0))))
-    total = both[..., :rank] + shifted
-    ends = np.cumsum([w.shape[1] for w in mats])[:-1]
-    return dict(zip((m for _, m in LORA_INPUTS), jnp.split(total, ends, axis=-1), strict=True))
+    out, start = {}, 0
+    for (_, name), w in zip(LORA_INPUTS, mats, strict=True):  # each LoRA's own columns, so each reads only them
+        end = start + w.shape[1]
+        past = jnp.pad(both[:, :-1, rank + start: rank + end], ((0, 0), (1, 0), (0, 0)))
+        out[name] = both[..., start:end] + jnp.where(is_first, first[..., start:end], past)
+        start = end
+    return out
 
 
 def _heads(x, cfg):
