@@ -7,6 +7,7 @@ or a model), `jaxembed eval --model PATH --benchmark NAME | --tasks A,B` and
 from __future__ import annotations
 
 import argparse
+import codecs
 import io
 import json
 import os
@@ -51,6 +52,8 @@ def _read_texts(inputs: list[str]) -> list[str]:
 def _decode_lines(stream, name: str) -> list[str]:
     """Lines as text mode splits them (\\n, \\r\\n or \\r), decoded as UTF-8."""
     data = stream.read()
+    if data.startswith(codecs.BOM_UTF8):  # a byte-order mark is not part of the first text
+        data = data[len(codecs.BOM_UTF8):]
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -89,10 +92,9 @@ def cmd_convert(args) -> int:
 
 
 def _file_blocks(path: Path, block_chars: int = 1 << 20):
-    """A UTF-8 file as text blocks (memory bounded; newlines as written), errors naming the byte."""
-    import codecs
-
-    decoder = codecs.getincrementaldecoder("utf-8")()
+    """A UTF-8 file as text blocks (memory bounded; newlines as written; a leading byte-order mark dropped),
+    errors naming the byte."""
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
     done = 0
     with open(path, "rb") as f:
         while block := f.read(block_chars):
@@ -110,7 +112,7 @@ def _file_blocks(path: Path, block_chars: int = 1 << 20):
 def _separated_sections(path: Path, separator: str):
     """The file's sections: the lines between lines equal to `separator` (newlines kept, trailing one dropped)."""
     lines: list[str] = []
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, encoding="utf-8-sig", newline="") as f:  # a leading byte-order mark is not text
         for line in f:
             if line.rstrip("\r\n") == separator:
                 yield "".join(lines).rstrip("\r\n")
@@ -122,6 +124,7 @@ def _separated_sections(path: Path, separator: str):
 
 def _cmd_embed_long(args, model) -> int:
     """--stream FILE (one embedding of the whole file) or --sections FILE (one per section, in context)."""
+    from jaxembed.stream import special_ids
     from jaxembed.text import text_ids
 
     path = Path(args.stream or args.sections)
@@ -136,10 +139,14 @@ def _cmd_embed_long(args, model) -> int:
         emb = model.encode_stream(_file_blocks(path), prompt=prompt, **options)[None]
         rows = [{"file": str(path), "tokens": model.last_stats["tokens"]}]
     elif args.section_tokens is not None:
-        ids = text_ids(model.tokenizer, path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        ids = text_ids(model.tokenizer, path.read_text(encoding="utf-8-sig"), add_special_tokens=False)["input_ids"]
         n = args.section_tokens
-        emb = model.encode_id_sections([ids[i: i + n] for i in range(0, len(ids), n)],
-                                       normalize_embeddings=options["normalize_embeddings"],
+        sections = [list(ids[i: i + n]) for i in range(0, len(ids), n)]
+        if sections:  # as encode_sections: the tokenizer's leading special ids (BOS) and the prompt's before section 0
+            prefix, _ = special_ids(model.tokenizer)
+            prompt_ids = text_ids(model.tokenizer, prompt, add_special_tokens=False)["input_ids"] if prompt else []
+            sections[0] = list(prefix) + list(prompt_ids) + sections[0]
+        emb = model.encode_id_sections(sections, normalize_embeddings=options["normalize_embeddings"],
                                        vertical_chunk_size=options["vertical_chunk_size"])
         rows = [{"file": str(path), "section": i, "tokens": [i * n, min(len(ids), (i + 1) * n)]}
                 for i in range(len(emb))]
@@ -188,6 +195,8 @@ def _write_embeddings(output: Path | None, records: list[dict], emb) -> None:
 
 
 def cmd_embed(args) -> int:
+    if args.instruction is not None and not args.query:
+        raise ValueError("--instruction is the query instruction: add --query (documents get none)")
     if args.corpus is not None or args.output_dir is not None:  # corpus-scale: sharded, resumable, data parallel
         from jaxembed.embed_corpus import cmd_embed_corpus
 
@@ -197,6 +206,12 @@ def cmd_embed(args) -> int:
     if args.output is not None:
         check_output_path(args.output, (".npy", ".jsonl"), overwrite=args.overwrite)
     if args.stream or args.sections:
+        if args.max_length is not None:
+            raise ValueError("--max-length cuts each text of a list; --stream / --sections embed all of FILE "
+                             "(cut the file first to embed less of it)")
+        if args.max_tokens_per_batch is not None:
+            raise ValueError("--max-tokens-per-batch sizes batches of texts; --stream / --sections run one "
+                             "sequence (--vertical-chunk-size sets its memory)")
         if args.inputs:
             raise ValueError("--stream / --sections take one FILE; do not pass other inputs")
         if args.section_tokens is not None and args.separator is not None:

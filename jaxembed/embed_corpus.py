@@ -150,6 +150,8 @@ def _read_tables(corpus: Corpus, rows_per_table: int) -> Iterator:
     try:
         for table in dataset.with_format("arrow").iter(batch_size=rows_per_table):
             table = table.rename_columns(["text", "id"][: table.num_columns])
+            if done == 0 and corpus.format == "text":
+                table = _without_byte_order_mark(table)
             _check_table(corpus, table, done)
             done += table.num_rows
             yield table
@@ -157,6 +159,19 @@ def _read_tables(corpus: Corpus, rows_per_table: int) -> Iterator:
         raise
     except Exception as err:  # a parse error the checks could not name, or a file that changed under us
         raise DataError(f"{corpus.path}: cannot read record {done} onwards: {type(err).__name__}: {err}") from None
+
+
+def _without_byte_order_mark(table):
+    """A .txt corpus's first table with a leading UTF-8 byte-order mark taken off its first line (datasets'
+    text reader keeps it; a .jsonl corpus's json.loads never sees one)."""
+    first = table.column("text")[0].as_py() if table.num_rows else None
+    if not first or not first.startswith("\ufeff"):
+        return table
+    import pyarrow as pa
+
+    texts = table.column("text").to_pylist()
+    texts[0] = first[1:]
+    return table.set_column(table.schema.get_field_index("text"), "text", pa.array(texts, table.column("text").type))
 
 
 def _hash_file(path: Path, *, utf8: bool) -> tuple[int, str]:

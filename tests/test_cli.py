@@ -85,3 +85,43 @@ def test_embed_stream_and_sections_of_a_file(hf_model_dir, tmp_path, capsys):
 
     assert main(["embed", "--model", str(path), "--sections", str(src), "--quiet"]) == 2
     assert "--sections needs --separator LINE or --section-tokens N" in capsys.readouterr().err
+
+    # token sections of a query: the prompt's ids come before section 0, as encode_sections puts them
+    assert main(["embed", "--model", str(path), "--sections", str(src), "--section-tokens", "5", "--query",
+                 "--instruction", "Find it", "--quiet"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    prompt = model.tokenizer(model.query_prompt("Find it"), add_special_tokens=False)["input_ids"]
+    last = model.encode_ids([prompt + all_ids + [model.eos_token_id]], vertical_chunk_size=None)[0]
+    np.testing.assert_allclose(rows[-1]["embedding"], last, atol=2e-6)
+
+
+def test_options_that_do_not_apply_are_refused_and_a_byte_order_mark_is_not_text(hf_model_dir, tmp_path, capsys):
+    """--instruction without --query, and --max-length / --max-tokens-per-batch on a whole-file stream or its
+    sections, would be ignored: each is a one-line error. A UTF-8 byte-order mark starting a file is not
+    part of its first text, in a list of lines, a stream and a corpus alike."""
+    path, _ = hf_model_dir
+    src = tmp_path / "t.txt"
+    src.write_text("hello world\nsecond\n")
+    cases = [(["embed", str(src), "--instruction", "Find it"], "--instruction is the query instruction: add --query"),
+             (["embed", "--corpus", str(src), "--output-dir", str(tmp_path / "c"), "--instruction", "x"],
+              "add --query"),
+             (["embed", "--stream", str(src), "--max-length", "8"], "--max-length cuts each text of a list"),
+             (["embed", "--sections", str(src), "--separator=---", "--max-length", "8"], "--max-length cuts"),
+             (["embed", "--stream", str(src), "--max-tokens-per-batch", "64"], "--max-tokens-per-batch sizes")]
+    for argv, why in cases:
+        assert main([*argv, "--model", str(path), "--quiet"]) == 2, argv
+        err = capsys.readouterr().err
+        assert why in err and err.count("\n") == 1, (argv, err)
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes(b"\xef\xbb\xbf" + src.read_bytes())
+    model = jaxembed.load(path)
+    expected = model.encode(["hello world", "second"])
+    assert main(["embed", str(bom), "--model", str(path), "-o", str(tmp_path / "b.npy"), "--quiet"]) == 0
+    np.testing.assert_allclose(np.load(tmp_path / "b.npy"), expected, atol=1e-6)
+    assert main(["embed", "--model", str(path), "--stream", str(bom), "-o", str(tmp_path / "s.npy"), "--quiet"]) == 0
+    np.testing.assert_allclose(np.load(tmp_path / "s.npy")[0], model.encode("hello world\nsecond\n"), atol=2e-6)
+    assert main(["embed", "--corpus", str(bom), "--output-dir", str(tmp_path / "c"), "--model", str(path),
+                 "--quiet"]) == 0
+    from jaxembed.embed_corpus import load_corpus_embeddings
+
+    np.testing.assert_allclose(load_corpus_embeddings(tmp_path / "c")[0], expected, atol=1e-6)

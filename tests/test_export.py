@@ -8,6 +8,7 @@ source, and reads back both through jaxembed's fla converter and BlinkDL's rwkv 
 converter's reference) to the original model's hidden states."""
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -128,6 +129,10 @@ def test_xlstm_export_in_shards_loads_in_transformers(tmp_path, tokenizer):
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2
+    # every file as a plain open() makes it under the umask (safetensors' own are 0600: their owner's only)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {oct(p.stat().st_mode & 0o777) for p in dst.iterdir()} == {oct(0o666 & ~mask)}
     exported = {k: v for shard in shards for k, v in load_file(dst / shard).items()}
     source = load_file(tmp_path / "src" / "model.safetensors")
     assert sorted(exported) == sorted(source) and all(torch.equal(exported[k], source[k]) for k in source)

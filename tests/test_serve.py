@@ -287,6 +287,36 @@ def test_health_metrics_models_and_warmup(embedder):
     assert m[("jaxembed_queue_depth", ())] == 0 and m[("jaxembed_requests_in_flight", ())] == 0
 
 
+def test_json_the_parser_cannot_read_is_a_400():
+    """Valid JSON that Python's parser refuses (an integer past its 4,300-digit limit, arrays nested past its
+    recursion limit) is the client's problem, a 400 naming it, not a 500."""
+    from jaxembed.serve.api import RequestError, parse_request
+
+    for body, message in ((b'{"input": ' + b"1" * 5000 + b"}", "4300 digits"), (b"[" * 100_000, "recursion")):
+        with pytest.raises(RequestError, match=f"the body is JSON this server does not read: .*{message}") as err:
+            parse_request(body, embedding_dim=8, vocab_size=10, max_inputs=4)
+        assert err.value.status == 400
+
+
+def test_a_port_that_cannot_be_listened_on_is_one_line_before_the_model_loads(tmp_path, capsys):
+    """A port in use or an address that is not this machine's: `jaxembed serve` says so in one line, exit 2,
+    without loading the model first (the model path here does not even exist)."""
+    from jaxembed.cli import main
+    from jaxembed.serve import listening_socket
+
+    taken = listening_socket("127.0.0.1", 0)
+    try:
+        taken.listen()
+        port = taken.getsockname()[1]
+        for host, reason in (("127.0.0.1", "Address already in use"), ("256.1.1.1", "")):
+            assert main(["serve", "--model", str(tmp_path / "none"), "--host", host, "--port", str(port)]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith(f"jaxembed serve: error: cannot listen on {host}:{port}: {reason}"), err
+            assert "\n" not in err
+    finally:
+        taken.close()
+
+
 def test_cli_serves_on_loopback_and_drains_on_sigterm(embedder, hf_model_dir):
     """`jaxembed serve` in a subprocess: a request in flight when SIGTERM arrives still gets its embedding."""
     proc = subprocess.Popen([sys.executable, "-m", "jaxembed.cli", "serve", "--model", str(hf_model_dir[0]),

@@ -227,8 +227,10 @@ def _write_tensors(directory: Path, tensors: list[_Tensor], params, max_shard_by
         size += entry.nbytes
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    mode = 0o666 & ~checkpoint._umask()
     for name, shard in zip(names, shards, strict=True):
         save_file({entry.key: _tensor(entry, params) for entry in shard}, directory / name, metadata={"format": "pt"})
+        os.chmod(directory / name, mode)  # safetensors creates its files 0600: readable by their owner only
     if n > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for e in tensors)},
                  "weight_map": {e.key: name for name, shard in zip(names, shards, strict=True) for e in shard}}

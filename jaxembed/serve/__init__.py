@@ -106,6 +106,7 @@ def cmd_serve(args) -> int:
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be 0 to 65535, got {args.port}")
     check_positive_int("--shutdown-timeout", args.shutdown_timeout)
+    sock = listening_socket(args.host, args.port)  # bound first: a port in use is a one-line error, before the load
     model = jaxembed.load(args.model, dtype=args.dtype, tokenizer=args.tokenizer)
     if args.vertical_chunk_size != "auto":
         model.resolve_vertical_chunk_size(args.vertical_chunk_size, args.batch_size)  # V a multiple of Q
@@ -115,5 +116,20 @@ def cmd_serve(args) -> int:
                             access_log=not args.no_access_log, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     server = uvicorn.Server(config)
-    server.run()  # SIGTERM / SIGINT: stop accepting, finish the requests in flight, drain the batcher
+    server.run(sockets=[sock])  # SIGTERM / SIGINT: stop accepting, finish the requests in flight, drain the batcher
     return 0 if server.started else 2
+
+
+def listening_socket(host: str, port: int):
+    """A TCP socket bound to host:port, as uvicorn binds one (SO_REUSEADDR; IPv6 for a host with ':'); a
+    ValueError naming the address and the reason when it cannot be."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:  # in use, not this machine's address, not an address at all (gaierror)
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock

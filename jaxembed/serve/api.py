@@ -89,6 +89,9 @@ def parse_request(body: bytes, *, embedding_dim: int, vocab_size: int, max_input
     except json.JSONDecodeError as err:
         raise RequestError(400, f"the body is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
                            ) from None
+    except (ValueError, RecursionError) as err:  # an integer past Python's digit limit, nesting past its depth
+        raise RequestError(400, f"the body is JSON this server does not read: {str(err).splitlines()[0][:200]}"
+                           if str(err) else "the body is JSON nested too deep to read") from None
     if not isinstance(data, dict):
         raise RequestError(400, f"the body must be a JSON object, got {_json_type(data)}")
     unknown = [k for k in data if k not in FIELDS]
