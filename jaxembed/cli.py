@@ -110,16 +110,20 @@ def _file_blocks(path: Path, block_chars: int = 1 << 20):
 
 
 def _separated_sections(path: Path, separator: str):
-    """The file's sections: the lines between lines equal to `separator` (newlines kept, trailing one dropped)."""
+    """The file's sections: the lines between lines equal to `separator` (newlines kept, trailing one dropped).
+    A separator on the file's last line ends the last section; it does not start an empty one."""
     lines: list[str] = []
+    ended = False  # the last line read was a separator
     with open(path, encoding="utf-8-sig", newline="") as f:  # a leading byte-order mark is not text
         for line in f:
-            if line.rstrip("\r\n") == separator:
+            ended = line.rstrip("\r\n") == separator
+            if ended:
                 yield "".join(lines).rstrip("\r\n")
                 lines = []
             else:
                 lines.append(line)
-    yield "".join(lines).rstrip("\r\n")
+    if lines or not ended:
+        yield "".join(lines).rstrip("\r\n")
 
 
 def _cmd_embed_long(args, model) -> int:

@@ -42,7 +42,7 @@ import numpy as np
 
 from jaxembed.errors import DataError, check_positive_int
 from jaxembed.files import write_atomically, write_text_atomically
-from jaxembed.text import TEXT_TOKENIZATION, check_token_ids, make_batches, tokenize_texts
+from jaxembed.text import check_token_ids, make_batches, tokenize_texts, tokenizer_identity
 from jaxembed.train.data import quiet_datasets
 
 FORMATS = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
@@ -337,7 +337,7 @@ def run_identity(model, corpus: Corpus, *, prompt, normalize, max_length, batch_
         "chunk_size": model.chunk_size, "kernels": model.kernels,
         "param_dtypes": sorted({str(leaf.dtype) for leaf in jax.tree.leaves(model.params)}),
         "eos_token_id": model.eos_token_id,
-        "tokenizer_sha256": _tokenizer_digest(model.tokenizer), "tokenization": TEXT_TOKENIZATION,
+        "tokenizer_sha256": tokenizer_identity(model.tokenizer),  # its rules, and how text is read
     }
     return json.loads(json.dumps({"model": model_identity, "corpus": corpus.identity(), "options": options}))
 
@@ -348,14 +348,6 @@ def _model_free_options(normalize, max_length, batch_size, shard_size, precision
             "precision": precision, "truncate_dim": truncate_dim,
             "ranges_sha256": None if ranges is None else hashlib.sha256(
                 np.ascontiguousarray(ranges, np.float32).tobytes()).hexdigest()}
-
-
-def _tokenizer_digest(tokenizer) -> str | None:
-    """The tokenizer's rules (a fast tokenizer's serialised JSON), so another tokenizer is another run."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    return hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()
 
 
 def _differences(old, new, prefix="", *, partial=False) -> list[str]:

@@ -76,6 +76,21 @@ def cut_ids(ids: list[int], max_length: int | None, eos: int) -> tuple[list[int]
 TEXT_TOKENIZATION = "special-as-text"
 
 
+def tokenizer_identity(tokenizer) -> str:
+    """A hash of the tokenizer's full definition (vocabulary, merges, normalizer, pre-tokenizer, post-processor,
+    special tokens) and the text rule (`TEXT_TOKENIZATION`): what every cache of ids, or of anything made from
+    them, is keyed by."""
+    import hashlib
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        text = backend.to_str()
+    else:  # a slow tokenizer: its vocabulary and class stand in for the definition
+        text = repr((type(tokenizer).__name__, sorted(tokenizer.get_vocab().items())))
+    special = repr((tokenizer.eos_token_id, getattr(tokenizer, "bos_token_id", None), TEXT_TOKENIZATION))
+    return hashlib.sha256((text + special).encode("utf-8")).hexdigest()
+
+
 def text_ids(tokenizer, text, *, add_special_tokens: bool, **kwargs):
     """The tokenizer's encoding of user text, with special-token strings in it read as text
     (`split_special_tokens`): "</s>" in a page of HTML is Mistral's EOS string, and parsed as the token

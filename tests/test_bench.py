@@ -105,6 +105,15 @@ def test_bad_specs_name_the_problem(tmp_path, capsys):
     assert "no entry for batch 2" in error(spec)
     assert "no settings for platform 'gpu'" in error(spec, platform="gpu")
     assert "--series ['x']" in error(spec, "--series", "x")
+    # options that could not measure anything: named before any point runs
+    good = str(write_spec(tmp_path, [{"label": "m", "config": "mamba2.yaml"}]))
+    for option, value, why in (("--repeats", "0", "--repeats must be at least 1, got 0"),
+                               ("--threads", "-1", "--threads must be at least 1, got -1"),
+                               ("--timeout", "0", "--timeout must be positive, got 0"),
+                               ("--memory-limit-mib", "0", "--memory-limit-mib must be positive"),
+                               ("--lengths", "0,-5", "every length must be a positive number of tokens")):
+        assert why in error(good, option, value), option
+    assert "--platform gpu: jax sees no GPU here" in error("chunk-size", platform="gpu")  # the spec has gpu points
     assert not (tmp_path / "o").exists()  # nothing ran
 
 

@@ -71,6 +71,11 @@ def test_embed_stream_and_sections_of_a_file(hf_model_dir, tmp_path, capsys):
     assert main(["embed", "--model", str(path), "--sections", str(src), "--separator=---", "--quiet"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["section"] for r in rows] == [0, 1, 2]
+    ended = tmp_path / "ended.txt"  # a separator on the last line ends section 2; it starts no empty one
+    ended.write_text(src.read_text() + "---\n", encoding="utf-8")
+    assert main(["embed", "--model", str(path), "--sections", str(ended), "--separator=---", "--quiet"]) == 0
+    assert [json.loads(line)["embedding"] for line in capsys.readouterr().out.splitlines()] == \
+           [r["embedding"] for r in rows]
     ids = [model.tokenizer(p, add_special_tokens=False)["input_ids"] for p in parts]
     expected = model.encode_ids([sum(ids[: i + 1], []) + [model.eos_token_id] for i in range(3)],
                                 vertical_chunk_size=None)

@@ -184,6 +184,8 @@ def test_missing_data_is_named(monkeypatch, capsys):
         run.check_data(tasks)
     with pytest.raises(ValueError, match="unknown mteb task 'NoSuchTask'"):
         run.resolve_tasks(None, "NoSuchTask", None)
+    with pytest.raises(ValueError, match="--tasks ', ,' names no task"):
+        run.resolve_tasks(None, ", ,", None)
     from jaxembed import cli
 
     assert cli.main(["eval", "--model", "/no/such/model", "--tasks", "SciFact,STS12", "--quiet"]) == 2

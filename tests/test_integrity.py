@@ -233,24 +233,42 @@ def test_sigkill_during_embed_output_leaves_the_old_or_the_new(tmp_path):
     assert np.array_equal(got, new) or np.array_equal(got, old)
 
 
-def test_evaluation_results_are_keyed_by_the_model(saved, tmp_path):
+def test_evaluation_results_are_keyed_by_the_model(saved, tmp_path, tokenizer):
     """Two different models saved under the same folder name get different mteb revisions; the same
-    model and settings get the same one (so its cached results are reused, and only then)."""
+    model and settings get the same one (so its cached results are reused, and only then). So do the
+    same vocabulary with other merges (another tokenizer), and local tasks of the same names over other
+    data."""
+    import json
     from types import SimpleNamespace
 
-    from jaxembed.embedder import Embedder
-    from jaxembed.eval.run import evaluation_identity
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
 
-    def embedder(path):
+    from jaxembed.embedder import Embedder
+    from jaxembed.eval.run import evaluation_identity, tasks_identity
+
+    def embedder(path, tok=tokenizer):
         cfg, params, settings, ident = checkpoint.load(path)
-        return Embedder(params, cfg, fingerprint=ident)
+        return Embedder(params, cfg, fingerprint=ident, tokenizer=tok)
 
     args = SimpleNamespace(dtype=None, template=None, instructions="paper")
     a = _save(tmp_path / "a" / "model", "mamba2", seed=0)
     b = _save(tmp_path / "b" / "model", "mamba2", seed=9)
-    ra, rb = (evaluation_identity(embedder(p), args, 512) for p in (a, b))
-    assert ra != rb and ra == evaluation_identity(embedder(a), args, 512)
-    assert evaluation_identity(embedder(a), SimpleNamespace(**{**vars(args), "dtype": "bfloat16"}), 512) != ra
+    ra, rb = (evaluation_identity(embedder(p), args, 512, []) for p in (a, b))
+    assert ra != rb and ra == evaluation_identity(embedder(a), args, 512, [])
+    assert evaluation_identity(embedder(a), SimpleNamespace(**{**vars(args), "dtype": "bfloat16"}), 512, []) != ra
+    definition = json.loads(tokenizer.backend_tokenizer.to_str())
+    definition["model"]["merges"] = definition["model"]["merges"][20:]  # the same vocabulary, other ids for text
+    other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(definition)),
+                                    eos_token=tokenizer.eos_token)
+    text = "return the value of the list"
+    assert other.get_vocab() == tokenizer.get_vocab() and other(text)["input_ids"] != tokenizer(text)["input_ids"]
+    assert evaluation_identity(embedder(a, other), args, 512, []) != ra
+    first, second = tmp_path / "tasks-a.jsonl", tmp_path / "tasks-b.jsonl"
+    first.write_text('{"q": 1}\n')
+    second.write_text('{"q": 2}\n')
+    assert tasks_identity([], str(first)) != tasks_identity([], str(second))
+    assert evaluation_identity(embedder(a), args, 512, tasks_identity([], str(first))) != ra
     cfg, params, _, ident = checkpoint.load(a)
     assert Embedder(params, cfg).fingerprint == ident  # computed from the params when not recorded
 

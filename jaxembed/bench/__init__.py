@@ -16,6 +16,7 @@ and `README.md` (tables and the machine) in the output folder.
 from __future__ import annotations
 
 import datetime
+import sys
 from pathlib import Path
 
 from jaxembed.bench.sweep import SpecError, available, load_sweep, run_sweep
@@ -34,9 +35,12 @@ def cmd_bench(args) -> int:
         return 0
     if not args.sweep:
         raise SpecError("name a sweep (" + ", ".join(available()) + ") or a spec .yaml; --list shows them")
-    platform = args.platform if args.platform != "auto" else sweeps.detect_platform()
-    sweep = load_sweep(args.sweep, platform)
-    sweep = _narrow(sweep, args)
+    _check_options(args)
+    found = sweeps.detect_platform()
+    platform = args.platform if args.platform != "auto" else found
+    sweep = _narrow(load_sweep(args.sweep, platform), args)
+    if platform == "gpu" and found != "gpu":  # the spec is checked; its points could not run
+        raise SpecError("--platform gpu: jax sees no GPU here (its backend is cpu); run it on a GPU machine")
     out_dir = Path(args.output or f"bench-results/{sweep.name}-{platform}")
     n_points = sum(len(v) for v in sweep.lengths.values()) * len(sweep.series)
     print(f"# {sweep.name} on {platform}: {len(sweep.series)} series x {n_points // len(sweep.series)} "
@@ -69,7 +73,21 @@ def cmd_bench(args) -> int:
     if flat:
         print("peak memory max/min across lengths:\n" + "\n".join(flat))
     print(f"\nwrote {out_dir / 'results.csv'}, {png}, {out_dir / 'README.md'}")
+    failed = sum(r["status"] == "failed" for r in rows)  # an error, not a measured out-of-memory or timeout
+    if failed:
+        print(f"{failed} of {len(rows)} points failed with an error (the status and error columns)", file=sys.stderr)
+        return 1
     return 0
+
+
+def _check_options(args) -> None:
+    """The run's options, before any point runs: each one that cannot make a measurement is named."""
+    for name, value, least in (("--repeats", args.repeats, 1), ("--threads", args.threads, 1)):
+        if value is not None and value < least:
+            raise SpecError(f"{name} must be at least {least}, got {value}")
+    for name, value in (("--timeout", args.timeout), ("--memory-limit-mib", args.memory_limit_mib)):
+        if value is not None and not value > 0:
+            raise SpecError(f"{name} must be positive, got {value:g}")
 
 
 def _narrow(sweep, args):
@@ -87,6 +105,8 @@ def _narrow(sweep, args):
         lengths = {b: lengths[b] for b in wanted}
     if args.lengths:
         chosen = parse_int_list(args.lengths)
+        if not chosen or min(chosen) < 1:
+            raise SpecError(f"--lengths {args.lengths!r}: every length must be a positive number of tokens")
         lengths = {b: chosen for b in lengths}
     series = sweep.series
     if args.series:

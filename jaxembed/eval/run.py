@@ -34,6 +34,8 @@ def resolve_tasks(benchmark: str | None, tasks: str | None, local_tasks: str | N
             raise ValueError(f"unknown benchmark {benchmark!r} ({err})") from None
     if tasks:
         names = [t.strip() for t in tasks.split(",") if t.strip()]
+        if not names:
+            raise ValueError(f"--tasks {tasks!r} names no task")
         out = []
         for name in names:
             try:
@@ -57,6 +59,17 @@ def resolve_tasks(benchmark: str | None, tasks: str | None, local_tasks: str | N
         return stdlib_tasks(rows), None
     except ValueError as err:
         raise ValueError(f"--local-tasks {path}: {err}") from None
+
+
+def tasks_identity(tasks, local_tasks: str | None) -> list:
+    """What the tasks' data is: each task's name and dataset revision, and for --local-tasks (every
+    build of which has the same names and revision) the file's sha256."""
+    import hashlib
+
+    named = sorted((t.metadata.name, str(t.metadata.dataset.get("revision"))) for t in tasks)
+    if local_tasks:
+        named.append(("local-tasks", hashlib.sha256(Path(local_tasks).read_bytes()).hexdigest()))
+    return named
 
 
 def check_data(tasks) -> None:
@@ -102,19 +115,19 @@ def write_summary(model_name: str, scores, benchmark: str | None, output: Path, 
     return table
 
 
-def evaluation_identity(model, args, max_length) -> str:
-    """The mteb cache revision of a run: the model's fingerprint (its config and every tensor) and
-    the settings that change its embeddings, hashed. Two different models, or one model under
-    other settings, never share cached results; the same model and settings reuse them."""
+def evaluation_identity(model, args, max_length, data) -> str:
+    """The mteb cache revision of a run: the model's fingerprint (its config and every tensor), the
+    tokenizer's full definition, the settings that change its embeddings and `data` (what the tasks'
+    data is: `tasks_identity`), hashed. Two different models, one model under other settings or one
+    task name over other data never share cached results; the same model, settings and data reuse
+    them."""
     import xxhash
 
-    from jaxembed.text import TEXT_TOKENIZATION
+    from jaxembed.text import tokenizer_identity
 
-    vocab = model.tokenizer.get_vocab() if hasattr(model.tokenizer, "get_vocab") else None
     what = {"model": model.fingerprint, "dtype": str(args.dtype), "template": args.template,
             "instructions": args.instructions, "max_length": max_length, "query_template": model.query_template,
-            "tokenizer": xxhash.xxh3_64_hexdigest(json.dumps(vocab, sort_keys=True).encode()),
-            "tokenization": TEXT_TOKENIZATION}
+            "tokenizer": None if model.tokenizer is None else tokenizer_identity(model.tokenizer), "data": data}
     return "fp-" + xxhash.xxh3_64_hexdigest(json.dumps(what, sort_keys=True).encode())
 
 
@@ -134,7 +147,7 @@ def cmd_eval(args) -> int:
         max_length = LONGEMBED_MAX_TOKENS if benchmark == LONGEMBED else MTEB_MAX_TOKENS
     model = jaxembed.load(args.model, dtype=args.dtype, tokenizer=args.tokenizer)
     name = args.name or f"jaxembed/{Path(args.model).resolve().name}"
-    revision = args.revision or evaluation_identity(model, args, max_length)
+    revision = args.revision or evaluation_identity(model, args, max_length, tasks_identity(tasks, args.local_tasks))
     encoder = MtebEncoder(model, name=name, revision=revision, max_length=max_length or None,
                           batch_size=args.batch_size, instructions=args.instructions, template=args.template,
                           show_progress_bar=not args.quiet)

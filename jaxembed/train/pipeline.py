@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from jaxembed.text import bucket_length, cut_ids, tokenize_texts
+from jaxembed.text import bucket_length, cut_ids, tokenize_texts, tokenizer_identity
 
 CACHE_FORMAT = 2  # bump when the cached columns change (2: special-token strings in text are text, `text_ids`)
 
@@ -80,17 +80,6 @@ class TokenizedSource:
         return arrays, int(sum(int(x.sum()) for x in lengths)), int(self.truncated[rows].sum())
 
 
-def tokenizer_identity(tokenizer) -> str:
-    """A hash of the tokenizer's full definition (vocabulary, merges, normalizer, special tokens)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        text = backend.to_str()
-    else:  # a slow tokenizer: its vocabulary and class stand in for the definition
-        text = repr((type(tokenizer).__name__, sorted(tokenizer.get_vocab().items())))
-    special = repr((tokenizer.eos_token_id, getattr(tokenizer, "bos_token_id", None)))
-    return hashlib.sha256((text + special).encode("utf-8")).hexdigest()[:32]
-
-
 def _rows_hash(ds) -> str:
     h = xxhash.xxh3_128()
     for batch in ds.iter(batch_size=4096):
@@ -127,7 +116,7 @@ def tokenize_sources(
 
     cache_dir = Path(cache_dir).expanduser()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tok_id = tokenizer_identity(tokenizer)
+    tok_id = tokenizer_identity(tokenizer)[:32]
     features = datasets.Features({
         "query_ids": datasets.LargeList(datasets.Value("int32")),
         "positive_ids": datasets.LargeList(datasets.Value("int32")),
@@ -179,4 +168,4 @@ def _columns(mapped, k: int, fingerprint: str) -> TokenizedSource:
                            _list_column(inner), np.asarray(column["truncated"], np.int32), k, fingerprint)
 
 
-__all__ = ["TokenColumn", "TokenizedSource", "tokenize_sources", "tokenizer_identity"]
+__all__ = ["TokenColumn", "TokenizedSource", "tokenize_sources"]
