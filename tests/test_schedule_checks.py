@@ -51,4 +51,6 @@ def test_vertical_program_holds_one_copy_of_the_layer_states(family):
     state = jax.eval_shape(lambda: models.family(cfg).init_state(cfg, b))
     state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state))
     extra_per_layer = ((vertical[6] - vertical[2]) - (horizontal[6] - horizontal[2])) / 4
-    assert 0.95 * state_bytes <= extra_per_layer <= 1.05 * state_bytes, (extra_per_layer, state_bytes)
+    # one copy, give or take what XLA keeps per layer in either program (a few KB at these sizes, e.g. RWKV7's
+    # horizontal program holding 1 KB a layer less since its LoRA inputs are one GEMM); two copies would be 2x
+    assert 0.95 * state_bytes <= extra_per_layer <= 1.1 * state_bytes, (extra_per_layer, state_bytes)

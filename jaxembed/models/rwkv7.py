@@ -259,7 +259,8 @@ LORA_INPUTS = (("x_w", "w1"), ("x_a", "a1"), ("x_v", "v1"), ("x_g", "g1"))
 
 
 def _lora_inputs(p: dict, u, prev):
-    """{"w1": x_w @ w1, "a1": ..., "v1": ..., "g1": ...} [b, t, r_m] float32 by the one GEMM above; u [b, t, d] is
+    """{"w1": x_w @ w1, "a1": ..., "v1": ..., "g1": ...} [b, t, r_m] float32 by the one GEMM above (written in
+    the weights' dtype, as each LoRA's GEMM wrote it, its two halves added in float32); u [b, t, d] is
     the normalised input, prev [b, d] its previous token (the shift state). None when a matrix is a
     DerivedWeight (LoRA / NF4), which makes its own product."""
     if any(weights.is_derived(p[m]) for _, m in LORA_INPUTS):
@@ -270,14 +271,14 @@ def _lora_inputs(p: dict, u, prev):
     now = jnp.concatenate([w * (1 - mu) for w, mu in zip(mats, mixes, strict=True)], axis=1).astype(dtype)
     before = jnp.concatenate([w * mu for w, mu in zip(mats, mixes, strict=True)], axis=1).astype(dtype)
     rank = now.shape[1]
-    both = weights.dot(u, jnp.concatenate([now, before], axis=1), dtype)  # [b, t, 2 rank]
+    both = weights.dot(u, jnp.concatenate([now, before], axis=1), dtype, out_dtype=dtype)  # [b, t, 2 rank]
     first = weights.dot(prev[:, None], before, dtype)  # the product of the token before u's first
     is_first = jnp.arange(u.shape[1])[None, :, None] == 0
     out, start = {}, 0
     for (_, name), w in zip(LORA_INPUTS, mats, strict=True):  # each LoRA's own columns, so each reads only them
         end = start + w.shape[1]
         past = jnp.pad(both[:, :-1, rank + start: rank + end], ((0, 0), (1, 0), (0, 0)))
-        out[name] = both[..., start:end] + jnp.where(is_first, first[..., start:end], past)
+        out[name] = both[..., start:end].astype(F32) + jnp.where(is_first, first[..., start:end], past.astype(F32))
         start = end
     return out
 

@@ -15,6 +15,7 @@ the API, the flags, the limits and the metrics.
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 from jaxembed.errors import check_positive_int
@@ -115,9 +116,27 @@ def cmd_serve(args) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=not args.no_access_log, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    server = uvicorn.Server(config)
+    server = _server_class()(config)
     server.run(sockets=[sock])  # SIGTERM / SIGINT: stop accepting, finish the requests in flight, drain the batcher
     return 0 if server.started else 2
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server on a socket bound beforehand (`listening_socket`), logging where it listens as it does
+        for the sockets it binds itself (for one it is handed, it leaves that to a process manager)."""
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started and sockets:
+                host, port = sockets[0].getsockname()[:2]
+                shown = f"[{host}]" if ":" in host else host
+                logging.getLogger("uvicorn.error").info(
+                    "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", shown, port)
+
+    return Server
 
 
 def listening_socket(host: str, port: int):
