@@ -205,10 +205,10 @@ def test_bfloat16_close_to_float32_reference(blinkdl_model):
 def test_adapted_lora_matrices_take_each_mix_and_agree_with_the_one_gemm_of_u():
     """The four LoRAs' first matrices as one GEMM of u against [(1 - mu) W | mu W] with its second half
     shifted a token (`rwkv7._lora_inputs`, dense weights), and each mix written and multiplied as
-    BlinkDL does (adapted matrices: `weights.DerivedWeight`), give the same embedding: the merged
-    dense model against the adapted one, float32, in vertical chunks of 8 (the shift state enters the
-    GEMM's first row; `test_parity_with_blinkdl_package` has the one-GEMM path horizontally too)."""
-    from jaxembed import schedule
+    BlinkDL does (adapted matrices: `weights.DerivedWeight`), give the same layer: the merged dense
+    params against the adapted ones, float32, from a random carried state (its shift state is the
+    token before the GEMM's first row; `test_parity_with_blinkdl_package` runs the one-GEMM path
+    through whole models, horizontally and in vertical chunks)."""
     from jaxembed.train import lora as lora_lib
 
     cfg = rwkv7.RWKV7Config(vocab_size=64, d_model=48, n_layers=2, head_size=16, d_ffn=80, decay_low_rank=8,
@@ -217,18 +217,26 @@ def test_adapted_lora_matrices_take_each_mix_and_agree_with_the_one_gemm_of_u():
     lora = lora_lib.LoraConfig(rank=4, alpha=8, targets=tuple(m for _, m in rwkv7.LORA_INPUTS))
     adapters = lora_lib.init_adapters(cfg, params, lora, jax.random.key(1))
     adapters = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(2), x.shape), adapters)
-    adapted, merged = lora_lib.apply(params, adapters, lora, cfg), lora_lib.merge(params, adapters, lora, cfg)
-    one_layer = jax.tree.map(lambda x: x[0], adapted["layers"])
+    second = lambda tree: jax.tree.map(lambda x: x[1], tree)  # layer 1: its value residual too
+    adapted = second(lora_lib.apply(params, adapters, lora, cfg)["layers"])
+    merged = second(lora_lib.merge(params, adapters, lora, cfg)["layers"])
+    b, t = 2, 11
+    keys = jax.random.split(jax.random.key(3), 5)
+    x, v_first = (jax.random.normal(k, (b, t, cfg.d_model)) for k in keys[:2])
+    state = rwkv7.State(jax.random.normal(keys[2], (b, cfg.d_model)),
+                        0.1 * jax.random.normal(keys[3], (b, cfg.n_heads, cfg.head_size, cfg.head_size)),
+                        jax.random.normal(keys[4], (b, cfg.d_model)))
     u = jax.numpy.ones((1, 3, cfg.d_model))
-    assert rwkv7._lora_inputs(one_layer, u, u[:, 0]) is None  # adapted: each mix on its own
-    assert set(rwkv7._lora_inputs(jax.tree.map(lambda x: x[0], merged["layers"]), u, u[:, 0])) == {"w1", "a1", "v1",
-                                                                                                    "g1"}
-    rng = np.random.default_rng(4)
-    ids = jax.numpy.asarray(rng.integers(0, cfg.vocab_size, (2, 29)), jax.numpy.int32)
-    lengths = jax.numpy.asarray([29, 18])
-    got = schedule.embed(merged, cfg, ids, lengths, vertical_chunk_size=8, normalize=False, kernels="xla")
-    want = schedule.embed(adapted, cfg, ids, lengths, vertical_chunk_size=8, normalize=False, kernels="xla")
-    assert rel_err(got, want) < 1e-5, rel_err(got, want)
+    assert rwkv7._lora_inputs(adapted, u, u[:, 0]) is None  # adapted: each mix on its own
+    assert set(rwkv7._lora_inputs(merged, u, u[:, 0])) == {"w1", "a1", "v1", "g1"}
+
+    def layer(p):
+        return rwkv7.layer(cfg, p, rwkv7.Stream(x, v_first), state, index=1,
+                           runtime=Runtime(chunk_size=8, kernels="xla"))
+
+    got, want = jax.jit(layer)(merged), jax.jit(layer)(adapted)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert rel_err(g, w) < 1e-5, rel_err(g, w)
 
 
 def test_interpreted_kernel_with_sequence_segments_matches_blinkdl(blinkdl_model):
