@@ -61,8 +61,8 @@ def load(path, *, dtype=None, tokenizer=None, chunk_size=None, query_template=No
         tokenizer=load_tokenizer(tokenizer, directory),
         dtype=dtype,
         chunk_size=chunk_size,
-        query_template=query_template or settings.get("query_template", QUERY_TEMPLATE),
-        default_instruction=default_instruction or settings.get("default_instruction"),
+        query_template=settings.get("query_template", QUERY_TEMPLATE) if query_template is None else query_template,
+        default_instruction=settings.get("default_instruction") if default_instruction is None else default_instruction,
         max_tokens_per_batch=max_tokens_per_batch,
         kernels=kernels,
     )

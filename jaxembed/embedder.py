@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxembed import models
-from jaxembed.errors import check_positive_int
+from jaxembed.errors import check_bool, check_positive_int
 from jaxembed.kernels import check_backend
 from jaxembed.quantize import check_output_options, quantize_embeddings, truncate_embeddings
 from jaxembed.schedule import check_chunk_sizes, embed
@@ -88,6 +88,8 @@ class Embedder:
         self.params = models.cast_params(self.family, params, dtype)
         self.tokenizer = tokenizer
         self.query_template = check_query_template(query_template)
+        if default_instruction is not None and not isinstance(default_instruction, str):
+            raise TypeError(f"default_instruction must be a string, got {type(default_instruction).__name__}")
         self.default_instruction = default_instruction
         check_positive_int("max_tokens_per_batch", max_tokens_per_batch, optional=True)
         self.max_tokens_per_batch = max_tokens_per_batch
@@ -159,15 +161,19 @@ class Embedder:
         prompt: a literal prefix for every text (e.g. the output of `query_prompt`).
         vertical_chunk_size: "auto" (Appendix F, per device batch: V = 2Q for several rows, about 4096 for one),
             None (horizontal) or V, a multiple of Q.
-        max_tokens_per_batch: cap on padded tokens per batch (default: the embedder's).
+        max_tokens_per_batch: cap on padded tokens per batch (default: the embedder's); a text longer than the cap
+            runs as a batch of its own (it is never cut: max_length does that).
         truncate_dim, precision, ranges, calibration_embeddings: as in sentence-transformers (see `encode_ids`).
         """
         single = isinstance(texts, str)
         texts = [texts] if single else check_texts(texts)
+        check_bool("normalize_embeddings", normalize_embeddings)
         output = dict(precision=precision, truncate_dim=truncate_dim, ranges=ranges,
                       calibration_embeddings=calibration_embeddings)
         check_output_options(self.embedding_dim, rows=len(texts), **output)
         if not texts:
+            self.last_stats = {"texts": 0, "tokens": 0, "seconds": 0.0, "tokens_per_second": 0.0, "batches": 0,
+                               "truncated": 0}
             return self._output(np.empty((0, self.embedding_dim), np.float32), normalize_embeddings, **output)
         if prompt is not None:
             if not isinstance(prompt, str):
@@ -191,6 +197,8 @@ class Embedder:
     def query_prompt(self, instruction: str | None = None) -> str:
         """The query prefix: the template filled with the instruction ("" if there is none)."""
         instruction = instruction if instruction is not None else self.default_instruction
+        if instruction is not None and not isinstance(instruction, str):
+            raise TypeError(f"instruction must be a string, got {type(instruction).__name__} ({instruction!r:.40})")
         return "" if instruction is None else self.query_template.format(prompt=instruction)
 
     def encode_query(self, texts, instruction: str | None = None, **kwargs) -> np.ndarray:
@@ -384,11 +392,13 @@ class Embedder:
         """
         check_positive_int("batch_size", batch_size)
         check_positive_int("max_tokens_per_batch", max_tokens_per_batch, optional=True)
+        check_bool("normalize_embeddings", normalize_embeddings)
         seqs = check_token_ids(ids, self.vocab_size)
         output = dict(precision=precision, truncate_dim=truncate_dim, ranges=ranges,
                       calibration_embeddings=calibration_embeddings)
         check_output_options(self.embedding_dim, rows=len(seqs), **output)
         if not seqs:
+            self.last_stats = {"texts": 0, "tokens": 0, "seconds": 0.0, "tokens_per_second": 0.0, "batches": 0}
             return self._output(np.empty((0, self.embedding_dim), np.float32), normalize_embeddings, **output)
         self.resolve_vertical_chunk_size(vertical_chunk_size, 1)  # a bad V is an error before any work
         budget = max_tokens_per_batch if max_tokens_per_batch is not None else self.max_tokens_per_batch

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
+
 
 class ConfigError(ValueError):
     """A config file is missing fields or describes an unsupported model."""
@@ -38,6 +40,12 @@ def check_positive_int(name: str, value, *, optional: bool = False, error: type[
         return
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise error(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+
+
+def check_bool(name: str, value) -> None:
+    """A TypeError naming `name` unless value is a bool (numpy's too): "no" or 0 would be read by truth value."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r:.40}")
 
 
 def check_token_ids(config) -> None:

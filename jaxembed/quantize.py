@@ -43,6 +43,10 @@ def _checked_ranges(ranges, dim: int) -> np.ndarray:
                          f"{dim}-dimensional output embeddings), got {ranges.shape}")
     if not np.isfinite(ranges).all():
         raise ValueError("ranges have non-finite values (NaN or inf)")
+    reversed_dims = np.flatnonzero(ranges[0] > ranges[1])
+    if reversed_dims.size:  # rows swapped ([maxima; minima]): every code would be clipped or inverted
+        raise ValueError(f"ranges: row 0 must hold the minima and row 1 the maxima, but the minimum is above the "
+                         f"maximum in {reversed_dims.size} of {dim} dimensions (e.g. dimension {reversed_dims[0]})")
     return ranges
 
 
@@ -147,6 +151,8 @@ def calibration_ranges(embeddings, *, dim: int | None = None, precision: str = "
         raise ValueError(f"{name} have {embeddings.shape[1]} dimensions, the embeddings to quantize {dim}")
     if embeddings.shape[0] == 0:
         raise ValueError(f"{name} is empty: no rows to compute {precision} ranges from")
+    if embeddings.shape[0] == 1:  # min == max in every dimension: the buckets would mean nothing
+        raise ValueError(f"{name} has one row: {precision} ranges need the spread of a representative set")
     if not np.isfinite(embeddings).all():
         raise ValueError(f"{name} have non-finite values (NaN or inf)")
     if not calibration and embeddings.shape[0] < MIN_CALIBRATION_ROWS:

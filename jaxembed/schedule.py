@@ -240,6 +240,8 @@ def _forward(params, config, ids, vertical_chunk_size, runtime: Runtime):
 def _pooling_positions(lengths, b: int, t: int):
     """lengths - 1 as int32 [b]; checked when the lengths are concrete (not traced under jit)."""
     lengths = jnp.asarray(lengths)
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):  # a float would pool at its truncation, silently
+        raise TypeError(f"lengths must be ints, got dtype {lengths.dtype}")
     if lengths.shape != (b,):
         raise ValueError(f"lengths must have shape ({b},) for ids of shape ({b}, {t}), got {lengths.shape}")
     try:

@@ -6,6 +6,7 @@ the number of compiled programs both bounded). Nothing here knows about models.
 from __future__ import annotations
 
 import string
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -156,7 +157,7 @@ def batch_shapes(max_length: int, batch_size: int, budget: int | None, chunk_siz
 
 
 def check_texts(texts) -> list[str]:
-    if isinstance(texts, (bytes, bytearray)) or not hasattr(texts, "__iter__"):
+    if isinstance(texts, (bytes, bytearray, Mapping)) or not hasattr(texts, "__iter__"):  # a dict would give its keys
         raise TypeError(f"texts must be a string or a sequence of strings, got {type(texts).__name__}")
     texts = list(texts)
     for i, t in enumerate(texts):
@@ -172,6 +173,8 @@ def check_token_ids(ids, vocab_size: int) -> list[np.ndarray]:
     for i, seq in enumerate(ids):
         if isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__"):
             raise TypeError(f"ids[{i}] must be a sequence of ints, got {type(seq).__name__}")
+        if any(isinstance(x, (bool, np.bool_)) for x in seq) if isinstance(seq, (list, tuple)) else False:
+            raise TypeError(f"ids[{i}] holds booleans, not token ids")
         arr = np.asarray(seq)
         if arr.ndim != 1:
             raise ValueError(f"ids[{i}] must be one-dimensional, got shape {arr.shape}")

@@ -154,11 +154,30 @@ def test_embed_is_pure_and_composable(embedder):
      r"V=12 is not a multiple of the chunk size Q=8"),
     (lambda e: e.encode_ids([[1, 2]], batch_size=0), ValueError, "batch_size must be a positive int"),
     (lambda e: e.encode(["a"], vertical_chunk_size="big"), ValueError, "vertical_chunk_size must be"),
+    # inputs that would be read by truth value or iterated into something else
+    (lambda e: e.encode(["a"], normalize_embeddings="no"), TypeError, "normalize_embeddings must be True or False"),
+    (lambda e: e.encode_ids([[1, 2]], normalize_embeddings=None), TypeError, "normalize_embeddings must be"),
+    (lambda e: e.encode({"hello": 0}), TypeError, "texts must be a string or a sequence of strings, got dict"),
+    (lambda e: e.encode_ids([[True, 2]]), TypeError, r"ids\[0\] holds booleans"),
+    (lambda e: e.encode_query(["a"], instruction=5), TypeError, "instruction must be a string, got int"),
+    (lambda e: jaxembed.embed(e.params, e.config, jnp.zeros((2, 8), jnp.int32), np.array([3.7, 8.0])), TypeError,
+     "lengths must be ints, got dtype float"),
 ])
 def test_bad_input_gets_a_clear_error(embedder, call, error, message):
     emb, _ = embedder
     with pytest.raises(error, match=message):
         call(emb)
+
+
+def test_load_keeps_empty_settings_and_checks_them(hf_model_dir):
+    """An empty query template is checked (and refused: no {prompt}), not replaced by the default; an
+    empty default instruction is kept; a non-string one is refused."""
+    path, _ = hf_model_dir
+    with pytest.raises(ValueError, match="query_template must contain '{prompt}'"):
+        jaxembed.load(path, query_template="")
+    assert jaxembed.load(path, default_instruction="").query_prompt() == "Instruction: \nQuery: "
+    with pytest.raises(TypeError, match="default_instruction must be a string, got int"):
+        jaxembed.load(path, default_instruction=5)
 
 
 def test_loading_errors(tmp_path, hf_model_dir):
@@ -178,8 +197,10 @@ def test_loading_errors(tmp_path, hf_model_dir):
 
 def test_empty_inputs_and_pure_embed_checks(embedder):
     emb, _ = embedder
-    assert emb.encode([]).shape == (0, emb.embedding_dim)
-    assert emb.encode_ids([]).shape == (0, emb.embedding_dim)
+    emb.encode(["a", "b"])
+    assert emb.encode([]).shape == (0, emb.embedding_dim) and emb.last_stats["texts"] == 0  # not the last call's
+    emb.encode(["a", "b"])
+    assert emb.encode_ids([]).shape == (0, emb.embedding_dim) and emb.last_stats["texts"] == 0
     ids = jnp.zeros((2, 8), jnp.int32)
     with pytest.raises(ValueError, match=r"lengths must be in \[1, 8\]"):
         jaxembed.embed(emb.params, emb.config, ids, jnp.array([0, 8]))

@@ -67,6 +67,12 @@ def test_ranges_from_the_batch_warn_and_single_embeddings_fail():
     for single in (x[:1], x[0]):
         with pytest.raises(ValueError, match="single embedding"):
             quantize_embeddings(single, "int8")
+    # ranges with the rows swapped, and a one-row calibration set: refused, not codes that mean nothing
+    ranges = np.vstack([x.min(0), x.max(0)])
+    with pytest.raises(ValueError, match=r"row 0 must hold the minima .* in 8 of 8 dimensions \(e.g. dimension 0\)"):
+        quantize_embeddings(x, "int8", ranges=ranges[::-1])
+    with pytest.raises(ValueError, match="calibration_embeddings has one row"):
+        quantize_embeddings(x, "uint8", calibration_embeddings=x[:1])
 
 
 def test_truncate_matches_the_sentence_transformers_order():
