@@ -254,6 +254,7 @@ class Embedder:
         from jaxembed.stream import StateStream, stream_ids
 
         self._require_tokenizer()
+        check_bool("normalize_embeddings", normalize_embeddings)
         if prompt is not None and not isinstance(prompt, str):
             raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
         if isinstance(pieces, str):
@@ -290,6 +291,7 @@ class Embedder:
         from jaxembed.stream import StateStream, special_ids
 
         self._require_tokenizer()
+        check_bool("normalize_embeddings", normalize_embeddings)
         stream = StateStream(self.params, self.config, vertical_chunk_size=self._stream_chunk_size(
             vertical_chunk_size), runtime=self._runtime(), normalize=normalize_embeddings)
         prefix, _ = special_ids(self.tokenizer)
@@ -322,6 +324,7 @@ class Embedder:
         """`encode_sections` for token-id sections used as given: row i embeds sections 0..i + [EOS]."""
         from jaxembed.stream import embed_section_stream
 
+        check_bool("normalize_embeddings", normalize_embeddings)
         out = embed_section_stream(self.params, self.config, sections, self.eos_token_id,
                              vertical_chunk_size=self._stream_chunk_size(vertical_chunk_size),
                              chunk_size=self.chunk_size, normalize=normalize_embeddings, kernels=self.kernels)
