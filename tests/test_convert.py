@@ -72,6 +72,16 @@ def test_missing_unexpected_and_misshaped_keys_are_named(broken_dir):
     assert "1 non-float key(s)" in text and "layers.0.mixer.D: dtype int32, expected a float type" in text
 
 
+def test_a_tensor_in_two_weight_files_is_refused(broken_dir):
+    """A stale copy of the weights beside the model (no index to say which file is whose): every tensor is
+    in two files, and the converter names one instead of taking whichever file sorts last."""
+    import shutil
+
+    shutil.copy(broken_dir / "model.safetensors", broken_dir / "model_old.safetensors")
+    with pytest.raises(ConversionError, match=r"tensor '.*' is in both model.safetensors and model_old.safetensors"):
+        read_checkpoint(broken_dir)
+
+
 def test_unsupported_and_unreadable_checkpoints(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"d_model": 64, "n_layer": 2, "vocab_size": 100, "ssm_cfg": {}, "d_intermediate": 0}))

@@ -48,6 +48,8 @@ def test_nf4_matches_bitsandbytes():
             ref = bnb.dequantize_4bit(q, state).numpy()
             assert np.abs(dense[i] - ref).max() <= 1e-6 * np.abs(ref).max()  # the level tables differ by 1 ulp
         np.testing.assert_allclose(nf4_levels(), state.code.numpy(), atol=2e-7)
+    with pytest.raises(ValueError, match=r"NF4 quantises finite weights; this \(37, 11\) matrix has NaN"):
+        quantize_nf4(jnp.asarray(w.numpy()).at[3, 4].set(jnp.nan))  # not a block of NaNs, silently
 
 
 def test_lora_products_match_the_formula():

@@ -125,6 +125,10 @@ class TensorSource:
         self._torch: dict[Path, dict] = {}
         for file in files:
             for name, shape, dtype in self._scan(file):
+                if name in self._where:  # two copies (a stale file beside the model): which one is the model's?
+                    raise ConversionError(f"tensor {name!r} is in both {self._where[name].name} and {file.name}: "
+                                          "remove the file that is not the model's (or give an index that "
+                                          "names one file per tensor)")
                 self._where[name] = file
                 self._shapes[name] = shape
                 self._dtypes[name] = dtype

@@ -75,6 +75,12 @@ def quantize_nf4(w, block_size: int = BLOCK_SIZE) -> NF4Weight:
         raise ValueError(f"NF4 quantises matrices [..., d_in, d_out], got shape {w.shape}")
     if block_size <= 0 or block_size % 2:
         raise ValueError(f"block_size must be a positive even int, got {block_size}")
+    try:  # a NaN would make its whole block NaN, silently (checked where the weights are concrete)
+        finite = bool(jnp.isfinite(w).all())
+    except jax.errors.ConcretizationTypeError:
+        finite = True
+    if not finite:
+        raise ValueError(f"NF4 quantises finite weights; this {tuple(w.shape)} matrix has NaN or inf values")
     codes, absmax = _quantize(w, block_size)
     return NF4Weight(codes, absmax, tuple(w.shape[-2:]), w.dtype.name, block_size)
 
