@@ -253,8 +253,9 @@ def _token_shift(u, prev):
 # The low-rank (LoRA) paths' first matrices, each applied to its own token-shift mix of u:
 # x_m = u (1 - mu_m) + u_prev mu_m, so x_m W = u [(1 - mu_m) W] + shift(u [mu_m W]) (a row shift
 # commutes with a product on the right). All four are one GEMM of u itself against [(1 - mu) W |
-# mu W] for every m, whose second half is shifted by a token after it: the four mixes are never
-# written and read (8 KB a token each at d = 4096), and u is read once.
+# mu W] for every m, whose second half is shifted by a token after it: the w, a and g mixes are never
+# written (8 KB a token each at d = 4096; v's still is, for the value GEMM), and the four GEMMs' reads
+# of their mixes become one read of u.
 LORA_INPUTS = (("x_w", "w1"), ("x_a", "a1"), ("x_v", "v1"), ("x_g", "g1"))
 
 
