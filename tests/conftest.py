@@ -35,18 +35,6 @@ def suite_xla_flags(devices: int | None = None) -> str:
     return " ".join([FAST_COMPILE_FLAG] + ([f"--xla_force_host_platform_device_count={devices}"] if devices else []))
 
 
-# The files that take longest (seconds on 2 cores, 2026-11-26: kernels 176, train 153, notebooks 81, ...), run
-# first: xdist's `--dist loadfile` hands files to its 2 workers in collection order, so a long file collected
-# last would run alone at the end (longest first is the classic fix for that tail). The rest keep their order.
-SLOW_FILES_FIRST = ("test_kernels.py", "test_train.py", "test_notebooks.py", "test_rwkv7.py", "test_stream.py",
-                    "test_train_runs.py", "test_parity.py", "test_ssd.py", "test_xlstm.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
-
-
 # Relative tolerance per dtype for parity with references (norm-wise: |out - ref| / |ref|).
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 
