@@ -19,6 +19,7 @@ reads, from the executable itself:
 
     python benchmarks/gpu_program.py [--families mamba2,rwkv7,xlstm] [--layers 4] [--cases 1x32k,32x4k]
         [--vertical 1:4096,32:512] [--target h100] [--top 6] [--hlo-dir DIR]
+        [--tile wkv7=64,32,8] [--tile mlstm=64,32,8,parallel]
 
 Needs `pip install "jax[cuda12]"` (the plugin and NVIDIA's libraries, no GPU). Nothing is timed:
 it shows where a change moves bytes before a GPU is there to time it.
@@ -73,13 +74,33 @@ def compile_embed(cfg, params, batch: int, length: int, V: int | None, sharding)
                    ).lower(params, ids, lengths).compile()
 
 
+def set_tiles(items: list[str]) -> None:
+    """Override `kernels.heuristic`'s tile of each named kernel: "wkv7=64,32,8", or for mLSTM with its
+    outputs parallel over chunks (`BlockSizes.parallel_outputs`) "mlstm=64,32,8,parallel"."""
+    from jaxembed.kernels import common
+
+    for item in items:
+        kernel, _, tile = item.partition("=")
+        fields = tile.split(",")
+        parallel = fields[3:] == ["parallel"]
+        if kernel not in common._TILES or len(fields) != 3 + parallel or not all(v.isdigit() for v in fields[:3]):
+            raise SystemExit(f"--tile: expected KERNEL=L,VB,WARPS[,parallel] with KERNEL one of "
+                             f"{sorted(common._TILES)}, got {item!r}")
+        common._TILES[kernel] = (*(int(v) for v in fields[:3]), parallel)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_case_arguments(ap)
     ap.add_argument("--target", default="h100", choices=sorted(_cuda_target.TARGETS))
     ap.add_argument("--top", type=int, default=0, help="list this many of the largest glue ops per program")
     ap.add_argument("--hlo-dir", default=None, help="write each program's optimised HLO here")
+    ap.add_argument("--tile", action="append", default=[], metavar="KERNEL=L,VB,WARPS",
+                    help="compile KERNEL (ssd, wkv7, mlstm) with this (chunk, value block, warps) instead of the "
+                         "heuristic's tile (kernels.common._TILES); mlstm=L,VB,WARPS,parallel: its outputs as a "
+                         "kernel parallel over chunks (BlockSizes.parallel_outputs)")
     args = ap.parse_args(argv)
+    set_tiles(args.tile)
     sharding = _cuda_target.sharding(args.target)
     bandwidth = _cuda_target.BANDWIDTH[args.target]
     vertical = {int(b): int(v) for b, v in (item.split(":") for item in args.vertical.split(","))}

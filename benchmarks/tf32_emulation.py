@@ -11,16 +11,18 @@ of the in-chunk log-decay sums:
                 log decay before it is summed
     cumsum      the kernel's `_log_decay_sums` now: float32 adds
 
-with RWKV7 7.2B's head (n = p = 64), kernel chunk 16, one sequence, and decays drawn as RWKV7's
-log w = -exp(-1/2) sigmoid(z): "mixed" z ~ N(0, 3^2), "slow" z ~ N(-6, 3^2) (most channels long
-memory). Prints relative errors of y and the final state.
+with RWKV7 7.2B's head (n = p = 64), kernel chunks of 16 (the heuristic's; `--chunks 16,32,64`
+for others: WKV7's dots are [L, .] products, and only L >= 64 can run on Hopper's wgmma), one
+sequence, and decays drawn as RWKV7's log w = -exp(-1/2) sigmoid(z): "mixed" z ~ N(0, 3^2), "slow"
+z ~ N(-6, 3^2) (most channels long memory). Prints relative errors of y and the final state.
 
-    python benchmarks/tf32_emulation.py [--length 512]
+    python benchmarks/tf32_emulation.py [--length 512] [--chunks 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -75,22 +77,26 @@ def inputs(rng, t, slow):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--length", type=int, default=512)
+    ap.add_argument("--chunks", default="16", help="kernel chunk sizes L, comma-separated (at most 64)")
     args = ap.parse_args(argv)
+    chunks = [int(v) for v in args.chunks.split(",")]
     rng = np.random.default_rng(0)
     exact_dot, cumsum_sums = common.dot, kernel._log_decay_sums
     print(f"WKV7 kernel (interpreted, all dots TF32-emulated) against the float32 recurrence, t = {args.length}\n")
-    print("| decays | log-decay sums | y rel err | state rel err |\n|---|---|---|---|")
+    print("| decays | chunk L | log-decay sums | y rel err | state rel err |\n|---|---|---|---|---|")
     for slow in (False, True):
         xs, s0 = inputs(rng, args.length, slow)
         y_ref, s_ref = jax.jit(wkv7.recurrent)(*xs, initial_state=s0)
-        for name, sums in (("mask dots (before)", mask_dot_sums), ("cumsum (now)", cumsum_sums)):
+        for L, (name, sums) in itertools.product(chunks, (("mask dots (before)", mask_dot_sums),
+                                                            ("cumsum (now)", cumsum_sums))):
             common.dot, kernel._log_decay_sums = tf32_dot(exact_dot), sums
-            try:
-                y, s = kernel._forward(*xs, s0, blocks=BlockSizes(chunk=16, value_block=32, segments=1),
-                                       interpret=True)
+            try:  # the public entry, traced anew (not cached) so that the patched functions are used
+                y, s = kernel._differentiable.__wrapped__(L, BlockSizes(chunk=L, value_block=32, segments=1), True)(
+                    *xs, s0)
             finally:
                 common.dot, kernel._log_decay_sums = exact_dot, cumsum_sums
-            print(f"| {'slow' if slow else 'mixed'} | {name} | {rel_err(y, y_ref):.2e} | {rel_err(s, s_ref):.2e} |")
+            print(f"| {'slow' if slow else 'mixed'} | {L} | {name} | {rel_err(y, y_ref):.2e} | "
+                  f"{rel_err(s, s_ref):.2e} |", flush=True)
 
 
 if __name__ == "__main__":
