@@ -13,7 +13,8 @@
 #   conv       #19/#20: Mamba2's layer SSD with x convolved in the kernel against XLA's conv + the kernel, at
 #              Codestral's inference shapes and the training step's (benchmarks/kernels.py --only conv)
 #   segments   #19: SSD, mLSTM and WKV7 at batch 1 with the sequence split into 1..16 segments (the sweep behind
-#              kernels.common.sequence_segments; T = 4096 is the batch-1 vertical chunk)
+#              kernels.common.sequence_segments; T = 4096 is the batch-1 vertical chunk); since session 21 also
+#              mLSTM with its outputs a kernel parallel over chunks (BlockSizes.parallel_outputs)
 #   breakdown  #19: projection floor, full embed, GEMM/kernel/glue per family (benchmarks/gpu_breakdown.py)
 #   memory     #19: compiled temporaries per schedule at the models' own depth, from shapes (program_memory.py)
 #   dsf        #19: the same with XLA's dynamic-slice fusion forced on (GEMMs reading each layer's slice of the

@@ -657,7 +657,8 @@ def test_wkv7_state_slot_is_read_and_written_in_its_stack(backend):
 def test_mlstm_memory_slot_is_read_and_written_in_its_stack(backend):
     """xLSTM's mLSTM state with C as a `StateSlot` (n and m as arrays): C's final value lands in
     entry l, equal to the reference's from that entry, the other entries stay exactly as they were,
-    and h, n and m are the reference's. One segment runs in place, two copy the entry out and back."""
+    and h, n and m are the reference's. One segment runs in place (also with the outputs a kernel of
+    their own, whose walk then holds the slot), two copy the entry out and back."""
     rng = np.random.default_rng(next(_draws))
     b, t, h, dk, dv = 2, 37, 2, 32, 32
     q, k, v = (_normal(rng, (b, t, h, d)) for d in (dk, dk, dv))
@@ -665,15 +666,16 @@ def test_mlstm_memory_slot_is_read_and_written_in_its_stack(backend):
     stack, n0, m0, layer = _normal(rng, (3, b, h, dk, dv)), _normal(rng, (b, h, dk)), _normal(rng, (b, h)), 1
     h_ref, s_ref = mlstm.chunked(q, k, v, i, f, chunk_size=16, initial_state=mlstm.State(stack[layer], n0, m0))
 
-    @functools.partial(jax.jit, static_argnums=2)
-    def run(stack, layer, segments):
+    @functools.partial(jax.jit, static_argnums=(2, 3))
+    def run(stack, layer, segments, parallel):
         return kernels.mlstm_chunked(q, k, v, i, f, chunk_size=16, backend=backend,
                                      initial_state=mlstm.State(StateSlot(stack, layer), n0, m0),
-                                     blocks=BlockSizes(chunk=16, value_block=16, segments=segments))
+                                     blocks=BlockSizes(chunk=16, value_block=16, segments=segments,
+                                                       parallel_outputs=parallel))
 
-    for segments in (1, 2):
+    for segments, parallel in ((1, False), (2, False), (1, True)):
         with _recorded_aliases() as aliased:
-            out, (C, n, m) = run(stack, jnp.int32(layer), segments)
+            out, (C, n, m) = run(stack, jnp.int32(layer), segments, parallel)
         assert any(a for _, a in aliased) == (backend == "interpret" and segments == 1), (backend, segments, aliased)
         assert isinstance(C, StateSlot) and C.stacked.shape == stack.shape
         assert rel_err(out, h_ref) < 1e-5 and rel_err(n, s_ref.n) < 1e-5 and rel_err(m, s_ref.m) < 1e-5, segments
@@ -763,6 +765,50 @@ def test_mlstm_split_into_sequence_segments_matches_the_recurrence(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mlstm_outputs_parallel_over_chunks_match_the_reference(dtype):
+    """`BlockSizes.parallel_outputs`: the walk writes the state entering every chunk and a second
+    kernel computes each chunk's outputs from it. Against `ops.mlstm.chunked` from a random initial
+    state, with 1 and 4 segments, two value blocks and t = 75 (a partly padded last chunk and wholly
+    padded chunks); and bit for bit the fused walk's outputs and final state, since the entering
+    state is stored in the dtype the outputs' product casts it to."""
+    rng = np.random.default_rng(next(_draws))
+    b, t, h, dk, dv = 2, 75, 2, 24, 40
+    q, k, v = (_normal(rng, (b, t, h, d)).astype(dtype) for d in (dk, dk, dv))
+    i, f = _normal(rng, (b, t, h), 3.0), _normal(rng, (b, t, h), 2.0) + 2
+    state = mlstm.State(_normal(rng, (b, h, dk, dv)), _normal(rng, (b, h, dk)), _normal(rng, (b, h)))
+    h_ref, s_ref = mlstm.chunked(*(a.astype(jnp.float32) for a in (q, k, v)), i, f, chunk_size=16,
+                                 initial_state=state)
+    tol = KERNEL_TOLERANCE[dtype]
+    for segments in (1, 4):
+        runs = [kernels.mlstm_chunked(q, k, v, i, f, chunk_size=16, initial_state=state, backend="interpret",
+                                      blocks=BlockSizes(chunk=16, value_block=16, segments=segments,
+                                                        parallel_outputs=parallel)) for parallel in (True, False)]
+        (out, s), (fused_out, fused_s) = runs
+        assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))), segments
+        assert rel_err(out.astype(jnp.float32), h_ref) < tol, (segments, rel_err(out.astype(jnp.float32), h_ref))
+        for got, want in zip(s, s_ref, strict=True):
+            assert rel_err(got, want) < tol, (segments, rel_err(got, want))
+        for got, want in zip((out, *s), (fused_out, *fused_s), strict=True):
+            np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
+def test_parallel_outputs_is_an_mlstm_option_only():
+    """SSD and WKV7 have no outputs kernel of their own: asked for one, they say so."""
+    S = jax.ShapeDtypeStruct
+    blocks = BlockSizes(chunk=16, value_block=16, parallel_outputs=True)
+    x = S((1, 32, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="parallel_outputs is an mLSTM option; the wkv7 kernel"):
+        jax.eval_shape(lambda *a: kernels.wkv7_chunked(*a, chunk_size=16, backend="interpret", blocks=blocks),
+                       *(x,) * 6)
+    with pytest.raises(ValueError, match="parallel_outputs is an mLSTM option; the ssd kernel"):
+        jax.eval_shape(lambda x, dt, A, B: kernels.ssd_chunked(x, dt, A, B, B, chunk_size=16, backend="interpret",
+                                                               blocks=blocks),
+                       x, S((1, 32, 2), jnp.float32), S((2,), jnp.float32), S((1, 32, 1, 16), jnp.float32))
+    with pytest.raises(ValueError, match="parallel_outputs must be a bool"):
+        BlockSizes(parallel_outputs=1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_wkv7_split_into_sequence_segments_matches_the_recurrence(dtype):
     """WKV7 with the sequence in segments: each segment's own end state from zero and its n x n
     transition (identity rows run through the segment with v = 0), then every segment entered with
@@ -797,19 +843,22 @@ def test_batch_one_kernels_lower_with_segments_at_7b_shapes(family):
     4096, lowered for CUDA from shapes. WKV7's 128 four-warp programs fill half of the resident
     slots, so it splits the sequence: the segment-state kernel and the output kernel; at batch 4 one
     kernel. mLSTM's 128 eight-warp programs already fill them: one kernel unless segments are asked
-    for, which lowers as two. (mLSTM has its intra-chunk scores kernel besides.)"""
+    for, which lowers as two. (mLSTM has its intra-chunk scores kernel besides, and with
+    `parallel_outputs` a walk that writes the entering states and an outputs kernel.)"""
     from jaxembed.kernels import mlstm as k_mlstm
     from jaxembed.kernels import wkv7 as k_wkv7
 
     S = jax.ShapeDtypeStruct
     t = 4096
-    cases = ((1, None, 2), (4, None, 1)) if family == "wkv7" else ((1, None, 1), (1, 4, 2), (4, None, 1))
-    for b, segments, kernel_calls in cases:
+    cases = ((1, None, 2, False), (4, None, 1, False)) if family == "wkv7" else (
+        (1, None, 1, False), (1, 4, 2, False), (4, None, 1, False), (1, None, 2, True), (1, 4, 3, True))
+    for b, segments, kernel_calls, parallel in cases:
         if family == "mlstm":
             h, dk, dv = 8, 256, 512
             args = (S((b, t, h, dk), jnp.bfloat16), S((b, t, h, dk), jnp.bfloat16), S((b, t, h, dv), jnp.bfloat16),
                     S((b, t, h), jnp.float32), S((b, t, h), jnp.float32))
-            blocks = dataclasses.replace(heuristic("mlstm", key_dim=dk, value_dim=dv), segments=segments)
+            blocks = dataclasses.replace(heuristic("mlstm", key_dim=dk, value_dim=dv), segments=segments,
+                                         parallel_outputs=parallel)
             fn = functools.partial(k_mlstm.chunked, chunk_size=64, blocks=blocks)
         else:
             args = (S((b, t, 64, 64), jnp.bfloat16),) * 6
@@ -817,7 +866,9 @@ def test_batch_one_kernels_lower_with_segments_at_7b_shapes(family):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("xla.gpu.triton") == kernel_calls + (family == "mlstm"), (b, segments)
         assert ("mlstm_scores" in text) == (family == "mlstm")
-        assert (f"{family}_segment_states" in text) == (kernel_calls == 2), (b, segments)
+        assert (f"{family}_segment_states" in text) == (segments not in (None, 1) or family == "wkv7" and b == 1)
+        # the outputs parallel over chunks: a walk that writes the entering states, and the outputs kernel
+        assert ("mlstm_chunk_states" in text) == ("mlstm_chunk_outputs" in text) == parallel, (b, segments)
         if family == "wkv7":  # bf16 inputs read in place, cast per tile inside: no float32 copy, no pad
             assert "stablehlo.convert" not in text and "stablehlo.pad" not in text
 

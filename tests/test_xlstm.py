@@ -207,10 +207,23 @@ def test_bfloat16_close_to_float32_reference(name, tmp_path):
     assert max(errs) < TOLERANCE["bfloat16"], errs
 
 
-def test_interpreted_kernel_with_sequence_segments_matches_transformers(tmp_path):
+@pytest.mark.parametrize("parallel_outputs", [False, True])
+def test_interpreted_kernel_with_sequence_segments_matches_transformers(parallel_outputs, tmp_path, monkeypatch,
+                                                                        request):
     """The model path through the mLSTM Pallas kernel (`kernels="interpret"`) on one sequence of
     531 tokens: 9 or more kernel chunks for a grid of a few programs, so the kernel walks the
-    sequence in segments (each segment's own end state, merged into the entering state)."""
+    sequence in segments (each segment's own end state, merged into the entering state); with
+    `parallel_outputs` in the heuristic's tile, the walk writes each chunk's entering state and
+    the outputs kernel, one program per chunk, computes the outputs (which it must have traced)."""
+    from jaxembed.kernels import common
+    from jaxembed.kernels import mlstm as k_mlstm
+
+    monkeypatch.setitem(common._TILES, "mlstm", (*common._TILES["mlstm"][:3], parallel_outputs))
+    jax.clear_caches()  # the tile is not part of the compiled program's key: trace it anew, and drop it after
+    request.addfinalizer(jax.clear_caches)
+    traced = []
+    monkeypatch.setattr(k_mlstm, "_output_kernel", lambda *refs, _f=k_mlstm._output_kernel, **kw: (
+        traced.append(1), _f(*refs, **kw))[1])
     model = make_hf_xlstm(seed=5, **CASES["causal_lm_single_h4_q16"])
     model.save_pretrained(tmp_path)
     emb = jaxembed.load(tmp_path, kernels="interpret")
@@ -218,6 +231,7 @@ def test_interpreted_kernel_with_sequence_segments_matches_transformers(tmp_path
     with record_segments() as chosen:
         out = emb.encode_ids(seqs, normalize_embeddings=False, batch_size=1)
     assert chosen and max(chosen) > 1 and rel_err(out[0], hf_xlstm_last_hidden(model, seqs)[0]) < TOL
+    assert bool(traced) == parallel_outputs
 
 
 # ---- conversion ----------------------------------------------------------------------------

@@ -59,6 +59,7 @@ class BlockSizes:
     num_warps: int = 4
     num_stages: int = 2
     segments: int | None = None
+    parallel_outputs: bool = False
 
     def __post_init__(self):
         for name in ("chunk", "value_block"):
@@ -73,6 +74,8 @@ class BlockSizes:
                                           or self.segments > MAX_SEGMENTS):
             raise ValueError(f"BlockSizes.segments must be None or a power of two in [1, {MAX_SEGMENTS}], "
                              f"got {self.segments!r}")
+        if not isinstance(self.parallel_outputs, bool):
+            raise ValueError(f"BlockSizes.parallel_outputs must be a bool, got {self.parallel_outputs!r}")
 
 
 # Per kernel: (chunk L, largest value block, warps), from `benchmarks/kernels.py --only sweep` on an
@@ -86,9 +89,10 @@ def heuristic(kernel: str, *, key_dim: int, value_dim: int) -> BlockSizes:
     [key, value block] stays within 8K float32 values per program (registers, not spills)."""
     if kernel not in _TILES:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {sorted(_TILES)}")
-    chunk, largest, warps = _TILES[kernel]
+    chunk, largest, warps, *parallel_outputs = _TILES[kernel]  # a 4th entry: `parallel_outputs` (mLSTM)
     vb = min(padded(value_dim), largest, max(MIN_DOT, 8192 // padded(key_dim)))
-    return BlockSizes(chunk=chunk, value_block=vb, num_warps=warps, num_stages=2)
+    return BlockSizes(chunk=chunk, value_block=vb, num_warps=warps, num_stages=2,
+                      parallel_outputs=bool(parallel_outputs and parallel_outputs[0]))
 
 
 # A program walks its chunks one after another, and each chunk's loads, dots and state update wait
@@ -150,9 +154,11 @@ def pad_axis(a, axis: int, size: int, value=0.0):
     return jnp.pad(a, widths, constant_values=value)
 
 
-def check_blocks(blocks: BlockSizes, value_dim: int) -> BlockSizes:
+def check_blocks(blocks: BlockSizes, value_dim: int, *, kernel: str) -> BlockSizes:
     if not isinstance(blocks, BlockSizes):
         raise TypeError(f"blocks must be a jaxembed.kernels.BlockSizes, got {type(blocks).__name__}")
+    if blocks.parallel_outputs and kernel != "mlstm":
+        raise ValueError(f"BlockSizes.parallel_outputs is an mLSTM option; the {kernel} kernel has no such split")
     return dataclasses.replace(blocks, value_block=min(blocks.value_block, padded(value_dim)))
 
 

@@ -88,31 +88,47 @@ def _scores_kernel(q_ref, k_ref, i_ref, bc_ref, S_ref, m_ref, den_ref, *, L, sca
     den_ref[...] = jnp.sum(S, axis=1)
 
 
-def _kernel(q_ref, k_ref, v_ref, i_ref, bc_ref, C0_ref, *refs, L, chunks, segments, scale, eps, in_place):
+def _chunk_output(q, v, S, m_intra, den_intra, bc, C, n, m, *, scale, eps):
+    """One chunk's h [l, vb] (float32) from the state entering it (C [k, vb], n [k], m) and its
+    intra-chunk scores S' [l, s] (stabilised by their rows' own max m'_t, with row sums den'):
+    the row max under the entering state is m_t = max(bc_t + m, m'_t), and the scores are
+    rescaled by exp(m'_t - m_t) <= 1 after their product with v."""
+    log_inter = bc + m
+    m_row = jnp.maximum(log_inter, m_intra)
+    intra = jnp.exp(m_intra - m_row)
+    w = jnp.exp(log_inter - m_row) * scale  # the entering state's weight (<= 1) and q's scale
+    num = intra[:, None] * common.dot(S, v) + w[:, None] * common.dot(q, C.astype(q.dtype))
+    den = intra * den_intra + w * _matvec(q, n)
+    return num / (jnp.maximum(jnp.abs(den), jnp.exp(-m_row)) + eps)[:, None]
+
+
+def _kernel(q_ref, k_ref, v_ref, i_ref, bc_ref, C0_ref, *refs, L, chunks, segments, scale, eps, in_place, entering):
     """Segment `program_id(3)` of the sequence (all of it when segments == 1), `chunks` chunks,
     entered with the initial state merged with the own end states of the segments before it.
     `in_place`: the C refs are the stack of every layer's C, and `layer_ref` says whose entry
-    (`common.state_tile`). The intra-chunk scores come from `_scores_kernel`."""
+    (`common.state_tile`). Per chunk it writes the outputs (the intra-chunk scores come from
+    `_scores_kernel`) or, with `entering` (`BlockSizes.parallel_outputs`), the state entering
+    the chunk, from which `_output_kernel` computes them."""
     layer_ref, n0_ref, m0_ref, *refs = refs if in_place else (None, *refs)
     if segments > 1:
         seg_f_ref, seg_C_ref, seg_n_ref, seg_m_ref, *refs = refs
-    S_ref, m_intra_ref, den_intra_ref, h_ref, C_ref, n_ref, m_ref = refs
+    if entering:
+        C_in_ref, n_in_ref, m_in_ref, C_ref, n_ref, m_ref = refs
+    else:
+        S_ref, m_intra_ref, den_intra_ref, h_ref, C_ref, n_ref, m_ref = refs
 
     def chunk(c, carry):
-        C, n, m = carry  # [k, vb] [k] [] float32
         t = pl.ds(pl.multiple_of(c * L, L), L)
-        q, k, v = q_ref[t, :], k_ref[t, :], v_ref[t, :]  # [l, k] [l, k] [l, vb]
+        k, v = k_ref[t, :], v_ref[t, :]  # [l, k] [l, vb]
         ig, bc = i_ref[t], bc_ref[t]  # [l]
-        # the row max under the entering state: m_t = max(bc_t + m, m'_t); the scores, stabilised by
-        # m'_t, are rescaled by exp(m'_t - m_t) <= 1 after their product with v
-        log_inter, m_intra = bc + m, m_intra_ref[t]
-        m_row = jnp.maximum(log_inter, m_intra)
-        intra = jnp.exp(m_intra - m_row)
-        w = jnp.exp(log_inter - m_row) * scale  # the entering state's weight (<= 1) and q's scale
-        num = intra[:, None] * common.dot(S_ref[t, :], v) + w[:, None] * common.dot(q, C.astype(q.dtype))
-        den = intra * den_intra_ref[t] + w * _matvec(q, n)
-        h = num / (jnp.maximum(jnp.abs(den), jnp.exp(-m_row)) + eps)[:, None]
-        h_ref[t, :] = h.astype(h_ref.dtype)
+        if entering:  # C [k, vb] in the dtype the output's product casts it to, n [k], m
+            C_in_ref[c, :, :] = carry[0].astype(C_in_ref.dtype)
+            n_in_ref[c, :] = carry[1]
+            m_in_ref[pl.ds(c, 1)] = jnp.full((1,), carry[2], F32)
+        else:
+            h = _chunk_output(q_ref[t, :], v, S_ref[t, :], m_intra_ref[t], den_intra_ref[t], bc, *carry, scale=scale,
+                              eps=eps)
+            h_ref[t, :] = h.astype(h_ref.dtype)
         return _state_step(carry, k, v, ig, bc)
 
     tile = common.state_tile(layer_ref, v_ref.shape[-1], axis=3)  # [k, vb] of C [b, h, k, v]
@@ -128,6 +144,15 @@ def _kernel(q_ref, k_ref, v_ref, i_ref, bc_ref, C0_ref, *refs, L, chunks, segmen
         C_ref[tile], n_ref[...], m_ref[...] = end
 
     common.at_sequence_end(segments, store)
+
+
+def _output_kernel(q_ref, v_ref, bc_ref, S_ref, m_intra_ref, den_intra_ref, C_in_ref, n_in_ref, m_in_ref, h_ref, *,
+                   scale, eps):
+    """h of chunk `program_id(2)`, value block `program_id(3)`, from the state entering the chunk
+    (written by `_kernel` with `entering`): no loop, one program per chunk."""
+    h = _chunk_output(q_ref[...], v_ref[...], S_ref[...], m_intra_ref[...], den_intra_ref[...], bc_ref[...],
+                      C_in_ref[...], n_in_ref[...], m_in_ref[...], scale=scale, eps=eps)
+    h_ref[...] = h.astype(h_ref.dtype)
 
 
 def _segment_state_kernel(k_ref, v_ref, i_ref, bc_ref, C_ref, n_ref, m_ref, *, L, chunks):
@@ -214,17 +239,46 @@ def _forward(q, k, v, i, f, C0, n0, m0, *, eps, blocks, interpret):
         blocks=blocks, interpret=interpret, name="mlstm_scores",
     )(qp, kp, ig, bc)
     score_specs = [pl.BlockSpec((None, None, T, L), lambda x, y, z, s: (x, y, 0, 0)), gates, gates]
-    hh, C, n, m = common.call(
-        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments, scale=dk**-0.5, eps=eps,
-                              in_place=in_place),
-        grid=(b, h, nvb, segments),
-        in_specs=[keys, keys, values, gates, gates, *C_specs, n_in, m_in, *extra_specs, *score_specs],
-        out_specs=[values, pl.BlockSpec() if in_place else C_out, n_out, m_out],
-        out_shape=[jax.ShapeDtypeStruct((b, T, h, V), v.dtype),
-                   jax.ShapeDtypeStruct(C_args[0].shape if in_place else (b, h, K, V), F32),
-                   jax.ShapeDtypeStruct((b, h, nvb, K), F32), jax.ShapeDtypeStruct((b, h, nvb), F32)],
-        blocks=blocks, interpret=interpret, name="mlstm_chunked", input_output_aliases={5: 1} if in_place else None,
-    )(qp, kp, vp, ig, bc, *C_args, n0p, m0, *extra_args, *scores)
+    scale, walk_args = dk**-0.5, (qp, kp, vp, ig, bc, *C_args, n0p, m0, *extra_args)
+    walk_specs = [keys, keys, values, gates, gates, *C_specs, n_in, m_in, *extra_specs]
+    state_outs = [pl.BlockSpec() if in_place else C_out, n_out, m_out]
+    state_shapes = [jax.ShapeDtypeStruct(C_args[0].shape if in_place else (b, h, K, V), F32),
+                    jax.ShapeDtypeStruct((b, h, nvb, K), F32), jax.ShapeDtypeStruct((b, h, nvb), F32)]
+    walk = dict(L=L, chunks=chunks, segments=segments, scale=scale, eps=eps, in_place=in_place)
+    if blocks.parallel_outputs:
+        # the walk writes the state entering every chunk; the outputs are a kernel of one program per
+        # (row, head, chunk, value block)
+        n_chunks = T // L
+        C_in, n_in, m_in, C, n, m = common.call(
+            lambda *refs: _kernel(*refs, **walk, entering=True), grid=(b, h, nvb, segments), in_specs=walk_specs,
+            out_specs=[pl.BlockSpec((None, None, n_chunks, K, vb), lambda x, y, z, s: (x, y, 0, 0, z)),
+                       pl.BlockSpec((None, None, n_chunks, None, K), lambda x, y, z, s: (x, y, 0, z, 0)),
+                       pl.BlockSpec((None, None, n_chunks, None), lambda x, y, z, s: (x, y, 0, z)), *state_outs],
+            out_shape=[jax.ShapeDtypeStruct((b, h, n_chunks, K, V), q.dtype),
+                       jax.ShapeDtypeStruct((b, h, n_chunks, nvb, K), F32),
+                       jax.ShapeDtypeStruct((b, h, n_chunks, nvb), F32), *state_shapes],
+            blocks=blocks, interpret=interpret, name="mlstm_chunk_states",
+            input_output_aliases={5: 3} if in_place else None,
+        )(*walk_args)
+        chunk_values = pl.BlockSpec((None, L, None, vb), lambda x, y, c, z: (x, c, y, z))
+        chunk_gates = pl.BlockSpec((None, None, L), lambda x, y, c, z: (x, y, c))
+        hh = common.call(
+            lambda *refs: _output_kernel(*refs, scale=scale, eps=eps), grid=(b, h, n_chunks, nvb),
+            in_specs=[pl.BlockSpec((None, L, None, K), lambda x, y, c, z: (x, c, y, 0)), chunk_values, chunk_gates,
+                      pl.BlockSpec((None, None, L, L), lambda x, y, c, z: (x, y, c, 0)), chunk_gates, chunk_gates,
+                      pl.BlockSpec((None, None, None, K, vb), lambda x, y, c, z: (x, y, c, 0, z)),
+                      pl.BlockSpec((None, None, None, None, K), lambda x, y, c, z: (x, y, c, z, 0)),
+                      pl.BlockSpec((None, None, None, None), lambda x, y, c, z: (x, y, c, z))],
+            out_specs=chunk_values, out_shape=jax.ShapeDtypeStruct((b, T, h, V), v.dtype),
+            blocks=blocks, interpret=interpret, name="mlstm_chunk_outputs",
+        )(qp, vp, bc, *scores, C_in, n_in, m_in)
+    else:
+        hh, C, n, m = common.call(
+            lambda *refs: _kernel(*refs, **walk, entering=False), grid=(b, h, nvb, segments),
+            in_specs=[*walk_specs, *score_specs], out_specs=[values, *state_outs],
+            out_shape=[jax.ShapeDtypeStruct((b, T, h, V), v.dtype), *state_shapes],
+            blocks=blocks, interpret=interpret, name="mlstm_chunked", input_output_aliases={5: 1} if in_place else None,
+        )(*walk_args, *scores)
     C = StateSlot(C, C0.layer) if in_place else C[:, :, :dk, :dv]
     return hh[:, :t, :, :dv], ref.State(C, n[:, :, 0, :dk], m[:, :, 0])
 
@@ -252,5 +306,5 @@ def chunked(q, k, v, i, f, *, chunk_size, initial_state=None, eps=ref.EPS, block
     dv = v.shape[-1]
     if blocks is None:
         blocks = common.heuristic("mlstm", key_dim=q.shape[-1], value_dim=dv)
-    blocks = common.check_blocks(blocks, dv)
+    blocks = common.check_blocks(blocks, dv, kernel="mlstm")
     return _differentiable(chunk_size, float(eps), blocks, bool(interpret))(q, k, v, i, f, *state)

@@ -369,7 +369,7 @@ def chunked(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_limit=(0.0, 
     dt_bias = jnp.zeros((h,), F32) if dt_bias is None else dt_bias
     if blocks is None:
         blocks = common.heuristic("ssd", key_dim=B.shape[3], value_dim=p)
-    blocks = common.check_blocks(blocks, p)
+    blocks = common.check_blocks(blocks, p, kernel="ssd")
     f = _differentiable(chunk_size, tuple(float(v) for v in dt_limit), blocks, bool(interpret))
     return f(x, dt, A, B, C, D, dt_bias, state)
 
@@ -384,7 +384,7 @@ def _packed_defaults(b, heads, head_dim, groups, state_size, initial_state, D, d
     dt_bias = jnp.zeros((heads,), F32) if dt_bias is None else dt_bias
     if blocks is None:
         blocks = common.heuristic("ssd", key_dim=state_size, value_dim=head_dim)
-    return state, D, dt_bias, common.check_blocks(blocks, head_dim)
+    return state, D, dt_bias, common.check_blocks(blocks, head_dim, kernel="ssd")
 
 
 def chunked_xbc(xbc, dt, A, *, heads: int, head_dim: int, groups: int, state_size: int, chunk_size, D=None,

@@ -259,7 +259,7 @@ def _checked_blocks(chunk_size, blocks, key_dim, value_dim):
         raise ValueError(f"chunk_size must be an int in [1, {ref.MAX_CHUNK}], got {chunk_size!r}")
     if blocks is None:
         blocks = common.heuristic("wkv7", key_dim=key_dim, value_dim=value_dim)
-    blocks = common.check_blocks(blocks, value_dim)
+    blocks = common.check_blocks(blocks, value_dim, kernel="wkv7")
     if blocks.chunk > ref.MAX_CHUNK:
         raise ValueError(f"BlockSizes.chunk = {blocks.chunk} exceeds {ref.MAX_CHUNK}, the largest chunk whose "
                          "factored decays stay inside float32's range")
