@@ -739,6 +739,18 @@ def test_mlstm_matvec_on_the_tensor_cores_keeps_float32_precision():
         np.testing.assert_allclose(np.asarray(got32), want, rtol=0, atol=1e-5 * scale)
 
 
+def _mlstm_segment_case(b, dtype):
+    """mLSTM inputs of t = 75 (two heads, k 24, v 40) in `dtype`, a random initial state, and
+    `ops.mlstm.chunked`'s outputs and final state on them in float32."""
+    rng = np.random.default_rng(next(_draws))
+    t, h, dk, dv = 75, 2, 24, 40
+    q, k, v = (_normal(rng, (b, t, h, d)).astype(dtype) for d in (dk, dk, dv))
+    i, f = _normal(rng, (b, t, h), 3.0), _normal(rng, (b, t, h), 2.0) + 2
+    state = mlstm.State(_normal(rng, (b, h, dk, dv)), _normal(rng, (b, h, dk)), _normal(rng, (b, h)))
+    ref = mlstm.chunked(*(a.astype(jnp.float32) for a in (q, k, v)), i, f, chunk_size=16, initial_state=state)
+    return (q, k, v, i, f), state, ref
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mlstm_split_into_sequence_segments_matches_the_recurrence(dtype):
     """mLSTM with the sequence in segments: each segment's own stabilised end state (C, n, m) from
@@ -746,13 +758,7 @@ def test_mlstm_split_into_sequence_segments_matches_the_recurrence(dtype):
     kernel's chunk length (the reference the suite holds every kernel to; it is checked against the
     recurrence and transformers elsewhere) from a random initial state; t = 75 leaves the last
     segments partly or wholly padding."""
-    rng = np.random.default_rng(next(_draws))
-    b, t, h, dk, dv = 1, 75, 2, 24, 40
-    q, k, v = (_normal(rng, (b, t, h, d)).astype(dtype) for d in (dk, dk, dv))
-    i, f = _normal(rng, (b, t, h), 3.0), _normal(rng, (b, t, h), 2.0) + 2
-    state = mlstm.State(_normal(rng, (b, h, dk, dv)), _normal(rng, (b, h, dk)), _normal(rng, (b, h)))
-    h_ref, s_ref = mlstm.chunked(*(a.astype(jnp.float32) for a in (q, k, v)), i, f, chunk_size=16,
-                                 initial_state=state)
+    (q, k, v, i, f), state, (h_ref, s_ref) = _mlstm_segment_case(1, dtype)
     tol = KERNEL_TOLERANCE[dtype]
     for segments in (2, 4, 8):
         out, s = kernels.mlstm_chunked(q, k, v, i, f, chunk_size=8, initial_state=state, backend="interpret",
@@ -771,13 +777,7 @@ def test_mlstm_outputs_parallel_over_chunks_match_the_reference(dtype):
     state, with 1 and 4 segments, two value blocks and t = 75 (a partly padded last chunk and wholly
     padded chunks); and bit for bit the fused walk's outputs and final state, since the entering
     state is stored in the dtype the outputs' product casts it to."""
-    rng = np.random.default_rng(next(_draws))
-    b, t, h, dk, dv = 2, 75, 2, 24, 40
-    q, k, v = (_normal(rng, (b, t, h, d)).astype(dtype) for d in (dk, dk, dv))
-    i, f = _normal(rng, (b, t, h), 3.0), _normal(rng, (b, t, h), 2.0) + 2
-    state = mlstm.State(_normal(rng, (b, h, dk, dv)), _normal(rng, (b, h, dk)), _normal(rng, (b, h)))
-    h_ref, s_ref = mlstm.chunked(*(a.astype(jnp.float32) for a in (q, k, v)), i, f, chunk_size=16,
-                                 initial_state=state)
+    (q, k, v, i, f), state, (h_ref, s_ref) = _mlstm_segment_case(2, dtype)
     tol = KERNEL_TOLERANCE[dtype]
     for segments in (1, 4):
         runs = [kernels.mlstm_chunked(q, k, v, i, f, chunk_size=16, initial_state=state, backend="interpret",
