@@ -202,6 +202,25 @@ def add_case_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cases", default="1x32k,32x4k")
     ap.add_argument("--vertical", default="1:4096,32:512", help="V per batch size, batch:V,...")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tile", action="append", default=[], metavar="KERNEL=L,VB,WARPS",
+                    help="run KERNEL (ssd, wkv7, mlstm) with this (chunk, value block, warps) instead of the "
+                         "heuristic's tile (kernels.common._TILES); mlstm=L,VB,WARPS,parallel: its outputs as a "
+                         "kernel parallel over chunks (BlockSizes.parallel_outputs)")
+
+
+def set_tiles(items: list[str]) -> None:
+    """Override `kernels.heuristic`'s tile of each named kernel: "wkv7=64,32,8", or for mLSTM with its
+    outputs parallel over chunks (`BlockSizes.parallel_outputs`) "mlstm=64,32,8,parallel"."""
+    from jaxembed.kernels import common
+
+    for item in items:
+        kernel, _, tile = item.partition("=")
+        fields = tile.split(",")
+        parallel = fields[3:] == ["parallel"]
+        if kernel not in common._TILES or len(fields) != 3 + parallel or not all(v.isdigit() for v in fields[:3]):
+            raise SystemExit(f"--tile: expected KERNEL=L,VB,WARPS[,parallel] with KERNEL one of "
+                             f"{sorted(common._TILES)}, got {item!r}")
+        common._TILES[kernel] = (*(int(v) for v in fields[:3]), parallel)
 
 
 def main(argv=None) -> int:
@@ -213,8 +232,10 @@ def main(argv=None) -> int:
     ap.add_argument("--hlo-dir", default=None, help="write each full run's optimised HLO here")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
+    set_tiles(args.tile)
     vertical = {int(b): int(v) for b, v in (item.split(":") for item in args.vertical.split(","))}
-    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; {time.strftime('%Y-%m-%d')}", flush=True)
+    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; {time.strftime('%Y-%m-%d')}"
+          + "".join(f"; tile {t}" for t in args.tile), flush=True)
     results: list = []
     for family in args.families.split(","):
         path = CONFIGS[family]

@@ -44,7 +44,7 @@ _cuda_target.setup()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from gpu_breakdown import CONFIGS, add_case_arguments  # noqa: E402  (the 7B configs, one list for the GPU scripts)
+from gpu_breakdown import CONFIGS, add_case_arguments, set_tiles  # noqa: E402  (the 7B configs, one list for the GPU scripts)
 
 from jaxembed import models  # noqa: E402
 from jaxembed.bench.measure import parse_length  # noqa: E402
@@ -74,31 +74,12 @@ def compile_embed(cfg, params, batch: int, length: int, V: int | None, sharding)
                    ).lower(params, ids, lengths).compile()
 
 
-def set_tiles(items: list[str]) -> None:
-    """Override `kernels.heuristic`'s tile of each named kernel: "wkv7=64,32,8", or for mLSTM with its
-    outputs parallel over chunks (`BlockSizes.parallel_outputs`) "mlstm=64,32,8,parallel"."""
-    from jaxembed.kernels import common
-
-    for item in items:
-        kernel, _, tile = item.partition("=")
-        fields = tile.split(",")
-        parallel = fields[3:] == ["parallel"]
-        if kernel not in common._TILES or len(fields) != 3 + parallel or not all(v.isdigit() for v in fields[:3]):
-            raise SystemExit(f"--tile: expected KERNEL=L,VB,WARPS[,parallel] with KERNEL one of "
-                             f"{sorted(common._TILES)}, got {item!r}")
-        common._TILES[kernel] = (*(int(v) for v in fields[:3]), parallel)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_case_arguments(ap)
     ap.add_argument("--target", default="h100", choices=sorted(_cuda_target.TARGETS))
     ap.add_argument("--top", type=int, default=0, help="list this many of the largest glue ops per program")
     ap.add_argument("--hlo-dir", default=None, help="write each program's optimised HLO here")
-    ap.add_argument("--tile", action="append", default=[], metavar="KERNEL=L,VB,WARPS",
-                    help="compile KERNEL (ssd, wkv7, mlstm) with this (chunk, value block, warps) instead of the "
-                         "heuristic's tile (kernels.common._TILES); mlstm=L,VB,WARPS,parallel: its outputs as a "
-                         "kernel parallel over chunks (BlockSizes.parallel_outputs)")
     args = ap.parse_args(argv)
     set_tiles(args.tile)
     sharding = _cuda_target.sharding(args.target)

@@ -16,6 +16,8 @@
 #              kernels.common.sequence_segments; T = 4096 is the batch-1 vertical chunk); since session 21 also
 #              mLSTM with its outputs a kernel parallel over chunks (BlockSizes.parallel_outputs)
 #   breakdown  #19: projection floor, full embed, GEMM/kernel/glue per family (benchmarks/gpu_breakdown.py)
+#   mlstm-split #19: xLSTM's breakdown with mLSTM's outputs a kernel parallel over chunks (the walk storing each
+#              chunk's entering state; BlockSizes.parallel_outputs), beside the breakdown step's fused kernel
 #   memory     #19: compiled temporaries per schedule at the models' own depth, from shapes (program_memory.py)
 #   dsf        #19: the same with XLA's dynamic-slice fusion forced on (GEMMs reading each layer's slice of the
 #              stacked weights in place); jax 0.11.2's XLA already does it by default (docs/benchmarks.md, session 13)
@@ -51,6 +53,8 @@ for s in "$@"; do
             --sweep-lengths 4096 16384 --out "$OUT/segments" ;;
         breakdown) step breakdown 420 $PY benchmarks/gpu_breakdown.py --families mamba2,rwkv7,xlstm --layers 4 \
             --cases 1x32k,32x4k --json "$OUT/breakdown.json" ;;
+        mlstm-split) step mlstm-split 240 $PY benchmarks/gpu_breakdown.py --families xlstm --layers 4 \
+            --cases 1x32k,32x4k --tile mlstm=64,32,8,parallel --json "$OUT/breakdown-mlstm-split.json" ;;
         memory) step memory 300 $PY benchmarks/program_memory.py ;;
         dsf) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step dsf 420 $PY \
             benchmarks/gpu_breakdown.py --families mamba2,rwkv7,xlstm --layers 4 --cases 1x32k,32x4k \
@@ -76,6 +80,7 @@ for s in "$@"; do
             cp runs/packages-mamba2-gpu-quality/metrics.jsonl "$OUT/metrics-quality.jsonl" 2>/dev/null
             step quality-table 120 $PY benchmarks/train_quality.py table data/packages/heldout-2000.jsonl \
                 "Mamba2 d256 4L full + mined (GPU)=runs/packages-mamba2-gpu-quality" ;;
-        *) echo "unknown step $s (check, conv, segments, breakdown, memory, dsf, compare, warm, train, quality)"; exit 2 ;;
+        *) echo "unknown step $s (check, conv, segments, breakdown, mlstm-split, memory, dsf, compare, warm, train, quality)"
+           exit 2 ;;
     esac
 done
