@@ -47,7 +47,7 @@ $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 
 for s in "$@"; do
     case $s in
-        check) step check 360 $PY benchmarks/kernels.py --only check ;;
+        check) step check 420 $PY benchmarks/kernels.py --only check ;;
         conv) step conv 240 $PY benchmarks/kernels.py --only conv --out "$OUT/conv" ;;
         segments) step segments 340 $PY benchmarks/kernels.py --only sweep --families ssd mlstm wkv7 \
             --sweep-lengths 4096 16384 --out "$OUT/segments" ;;
