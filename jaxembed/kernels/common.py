@@ -78,9 +78,11 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.parallel_outputs must be a bool, got {self.parallel_outputs!r}")
 
 
-# Per kernel: (chunk L, largest value block, warps), from `benchmarks/kernels.py --only sweep` on an
-# H100 (docs/benchmarks.md). WKV7's factored decays exp(-g) grow with L (<= exp(0.61 L)), so it
-# takes short chunks; SSD and mLSTM take mamba_ssm's 64-token tile.
+# Per kernel: (chunk L, largest value block, warps[, parallel_outputs]), from `benchmarks/kernels.py
+# --only sweep` on an H100 (docs/benchmarks.md). WKV7 takes 16-token chunks: the fastest in that sweep
+# and the one tile that does not spill (1.2-1.9 KB a thread at L = 32 and 64, which its numerics would
+# allow up to ops.wkv7.MAX_CHUNK; benchmarks/kernel_registers.py, session 21). SSD and mLSTM take
+# mamba_ssm's 64-token tile.
 _TILES = {"ssd": (64, 64, 4), "wkv7": (16, 32, 4), "mlstm": (64, 64, 8)}
 
 
