@@ -80,7 +80,11 @@ def mma_paths(ptx: str) -> dict[str, str]:
 def ptxas_wrapper(root: Path) -> Path:
     """A CUDA root (jax reads `CUDA_ROOT` before the wheel's) whose bin/ptxas copies its PTX input into
     root/ptx and runs the real ptxas; nvvm (libdevice) is the wheel's. Returns the PTX folder."""
-    import nvidia.cuda_nvcc  # the wheel jax's CUDA plugin brings: bin/ptxas, nvvm/libdevice
+    try:
+        import nvidia.cuda_nvcc  # the wheel jax's CUDA plugin brings: bin/ptxas, nvvm/libdevice
+    except ImportError:
+        raise SystemExit("kernel_registers.py needs jax's CUDA plugin and NVIDIA's compiler wheel "
+                         "(pip install \"jax[cuda12]\", see gpu_program.py)") from None
 
     real = Path(next(iter(nvidia.cuda_nvcc.__path__)))
     (root / "bin").mkdir(parents=True)
