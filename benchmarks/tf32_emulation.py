@@ -90,7 +90,7 @@ def main(argv=None):
         for L, (name, sums) in itertools.product(chunks, (("mask dots (before)", mask_dot_sums),
                                                             ("cumsum (now)", cumsum_sums))):
             common.dot, kernel._log_decay_sums = tf32_dot(exact_dot), sums
-            try:  # the public entry, traced anew (not cached) so that the patched functions are used
+            try:  # the kernel with its custom_vjp, built anew (not from its cache) so that the patches are traced
                 y, s = kernel._differentiable.__wrapped__(L, BlockSizes(chunk=L, value_block=32, segments=1), True)(
                     *xs, s0)
             finally:
