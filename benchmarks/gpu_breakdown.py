@@ -204,13 +204,13 @@ def add_case_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tile", action="append", default=[], metavar="KERNEL=L,VB,WARPS",
                     help="run KERNEL (ssd, wkv7, mlstm) with this (chunk, value block, warps) instead of the "
-                         "heuristic's tile (kernels.common._TILES); mlstm=L,VB,WARPS,parallel: its outputs as a "
-                         "kernel parallel over chunks (BlockSizes.parallel_outputs)")
+                         "heuristic's tile (kernels.common._TILES); KERNEL=L,VB,WARPS,parallel: with its split over "
+                         "chunks (kernels.common.SPLITS: mlstm's parallel_outputs, wkv7's parallel_factors)")
 
 
 def set_tiles(items: list[str]) -> None:
-    """Override `kernels.heuristic`'s tile of each named kernel: "wkv7=64,32,8", or for mLSTM with its
-    outputs parallel over chunks (`BlockSizes.parallel_outputs`) "mlstm=64,32,8,parallel"."""
+    """Override `kernels.heuristic`'s tile of each named kernel: "wkv7=64,32,8", or with the kernel's
+    split over chunks (`kernels.common.SPLITS`: mLSTM's outputs, WKV7's chunk factors) "mlstm=64,32,8,parallel"."""
     from jaxembed.kernels import common
 
     for item in items:
@@ -220,6 +220,8 @@ def set_tiles(items: list[str]) -> None:
         if kernel not in common._TILES or len(fields) != 3 + parallel or not all(v.isdigit() for v in fields[:3]):
             raise SystemExit(f"--tile: expected KERNEL=L,VB,WARPS[,parallel] with KERNEL one of "
                              f"{sorted(common._TILES)}, got {item!r}")
+        if parallel and kernel not in common.SPLITS:
+            raise SystemExit(f"--tile: {kernel} has no split over chunks (',parallel' is for {sorted(common.SPLITS)})")
         common._TILES[kernel] = (*(int(v) for v in fields[:3]), parallel)
 
 

@@ -14,10 +14,13 @@
 #              Codestral's inference shapes and the training step's (benchmarks/kernels.py --only conv)
 #   segments   #19: SSD, mLSTM and WKV7 at batch 1 with the sequence split into 1..16 segments (the sweep behind
 #              kernels.common.sequence_segments; T = 4096 is the batch-1 vertical chunk); since session 21 also
-#              mLSTM with its outputs a kernel parallel over chunks (BlockSizes.parallel_outputs)
+#              mLSTM with its outputs a kernel parallel over chunks (BlockSizes.parallel_outputs); since session 22
+#              WKV7 with its chunk factors a kernel parallel over chunks (BlockSizes.parallel_factors), first
 #   breakdown  #19: projection floor, full embed, GEMM/kernel/glue per family (benchmarks/gpu_breakdown.py)
 #   mlstm-split #19: xLSTM's breakdown with mLSTM's outputs a kernel parallel over chunks (the walk storing each
 #              chunk's entering state; BlockSizes.parallel_outputs), beside the breakdown step's fused kernel
+#   wkv7-split #19: RWKV7's breakdown with WKV7's chunk factors a kernel parallel over chunks (the walk two
+#              products a chunk, on wgmma; BlockSizes.parallel_factors), chunks of 32 and of 64
 #   memory     #19: compiled temporaries per schedule at the models' own depth, from shapes (program_memory.py)
 #   dsf        #19: the same with XLA's dynamic-slice fusion forced on (GEMMs reading each layer's slice of the
 #              stacked weights in place); jax 0.11.2's XLA already does it by default (docs/benchmarks.md, session 13)
@@ -49,12 +52,17 @@ for s in "$@"; do
     case $s in
         check) step check 420 $PY benchmarks/kernels.py --only check ;;
         conv) step conv 240 $PY benchmarks/kernels.py --only conv --out "$OUT/conv" ;;
-        segments) step segments 340 $PY benchmarks/kernels.py --only sweep --families ssd mlstm wkv7 \
+        segments) step segments 340 $PY benchmarks/kernels.py --only sweep --families wkv7 mlstm ssd \
             --sweep-lengths 4096 16384 --out "$OUT/segments" ;;
         breakdown) step breakdown 420 $PY benchmarks/gpu_breakdown.py --families mamba2,rwkv7,xlstm --layers 4 \
             --cases 1x32k,32x4k --json "$OUT/breakdown.json" ;;
         mlstm-split) step mlstm-split 240 $PY benchmarks/gpu_breakdown.py --families xlstm --layers 4 \
             --cases 1x32k,32x4k --tile mlstm=64,32,8,parallel --json "$OUT/breakdown-mlstm-split.json" ;;
+        wkv7-split)
+            for L in 32 64; do
+                step "wkv7-split-$L" 200 $PY benchmarks/gpu_breakdown.py --families rwkv7 --layers 4 --cases 1x32k,32x4k \
+                    --tile "wkv7=$L,64,8,parallel" --json "$OUT/breakdown-wkv7-split-$L.json"
+            done ;;
         memory) step memory 300 $PY benchmarks/program_memory.py ;;
         dsf) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step dsf 420 $PY \
             benchmarks/gpu_breakdown.py --families mamba2,rwkv7,xlstm --layers 4 --cases 1x32k,32x4k \
@@ -80,7 +88,7 @@ for s in "$@"; do
             cp runs/packages-mamba2-gpu-quality/metrics.jsonl "$OUT/metrics-quality.jsonl" 2>/dev/null
             step quality-table 120 $PY benchmarks/train_quality.py table data/packages/heldout-2000.jsonl \
                 "Mamba2 d256 4L full + mined (GPU)=runs/packages-mamba2-gpu-quality" ;;
-        *) echo "unknown step $s (check, conv, segments, breakdown, mlstm-split, memory, dsf, compare, warm, train, quality)"
+        *) echo "unknown step $s (check, conv, segments, breakdown, mlstm-split, wkv7-split, memory, dsf, compare, warm, train, quality)"
            exit 2 ;;
     esac
 done

@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # the `name=` of every jaxembed Pallas kernel (jaxembed/kernels/*.py); XLA's own fusions are not listed
 KERNELS = ("ssd_chunked", "ssd_segment_states", "ssd_chunked_backward", "wkv7_chunked", "wkv7_segment_states",
-           "mlstm_chunked", "mlstm_segment_states", "mlstm_scores", "mlstm_chunk_states", "mlstm_chunk_outputs",
-           "stacked_lora_input", "normed_in_place", "gated_norm_backward")
+           "wkv7_chunk_factors", "mlstm_chunked", "mlstm_segment_states", "mlstm_scores", "mlstm_chunk_states",
+           "mlstm_chunk_outputs", "stacked_lora_input", "normed_in_place", "gated_norm_backward")
 DEFAULT_PROGRAMS = "mamba2:1x32k,mamba2:32x4k,rwkv7:1x32k,xlstm:1x32k,train"
 
 

@@ -269,36 +269,52 @@ def check(rows):
     check_stacked_lora_input(rows)
     check_normed_in_place(rows)
     check_gated_norm_backward(rows)
-    check_mlstm_parallel_outputs(rows, small["mlstm"])  # last: the step's time limit cuts the newest check first
+    check_splits(rows, small)  # last: the step's time limit cuts the newest check first
 
 
-def check_mlstm_parallel_outputs(rows, dims):
-    """mLSTM with its outputs a kernel parallel over chunks (`BlockSizes.parallel_outputs`: the walk
-    writes each chunk's entering state) compiled for the GPU, against the XLA reference, with one
-    segment and with four, at the check's odd lengths."""
+# each kernel's split over chunks (kernels.common.SPLITS), checked by `check_splits` at these tiles
+# (chunk, value block, warps): mLSTM's at the heuristic's; WKV7's where its walk reaches wgmma (chunks of 32
+# and 64, 8 warps: the factor kernel spills nothing at 32 and ~1.6 KB a thread at 64; kernel_registers.py)
+SPLIT_TILES = {"mlstm": [None], "wkv7": [(32, 64, 8), (64, 64, 8)]}
+
+
+def check_splits(rows, small):
+    """Each kernel's split over chunks compiled for the GPU, against the XLA reference, with one segment
+    and with four, at the check's odd lengths: mLSTM's outputs as a kernel of their own
+    (`BlockSizes.parallel_outputs`: the walk writes each chunk's entering state) and WKV7's chunk factors
+    (`BlockSizes.parallel_factors`: the walk reads them)."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
     from jaxembed.kernels import BlockSizes, heuristic
+    from jaxembed.kernels.common import SPLITS
 
-    default = heuristic("mlstm", key_dim=dims["k"], value_dim=dims["v"])
-    for dtype in (jnp.float32, jnp.bfloat16):
-        for b, t in CHECK_CASES:
-            args = inputs("mlstm", b, t, dtype, jax.random.PRNGKey(b * 1000 + t + 7), dims)
-            upcast = {k: (v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v) for k, v in args.items()}
-            for segments in (1, 4):
-                blocks = BlockSizes(chunk=default.chunk, value_block=default.value_block, num_warps=default.num_warps,
-                                    segments=segments, parallel_outputs=True)
-                with jax.default_matmul_precision("highest"):
-                    ref = jax.jit(lambda a: run_op("mlstm", "xla", a, 16))(upcast)
-                    out = jax.jit(lambda a, blocks=blocks: run_op("mlstm", "pallas", a, 16, blocks))(args)
-                y_err = rel_err(out[0].astype(jnp.float32), ref[0])
-                s_err = max(rel_err(o, r) for o, r in zip(jax.tree.leaves(out[1]), jax.tree.leaves(ref[1]),
-                                                          strict=True))
-                rows.append(dict(family=f"mlstm (parallel outputs, {segments} segments)", dtype=jnp.dtype(dtype).name,
-                                 b=b, t=t, y_rel_err=y_err, state_rel_err=s_err))
-                print(f"check mlstm parallel outputs, {segments} segments, {jnp.dtype(dtype).name:8s} b={b} t={t}: "
-                      f"y {y_err:.2e} state {s_err:.2e}", flush=True)
+    for family, tiles in SPLIT_TILES.items():
+        dims = small[family]
+        default = heuristic(family, key_dim=dims.get("k", dims.get("n")), value_dim=dims.get("v", dims.get("p")))
+        for tile in tiles:
+            chunk, vb, warps = tile or (default.chunk, default.value_block, default.num_warps)
+            for dtype in (jnp.float32, jnp.bfloat16):
+                for b, t in CHECK_CASES:
+                    args = inputs(family, b, t, dtype, jax.random.PRNGKey(b * 1000 + t + 7), dims)
+                    upcast = {k: (v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v) for k, v in args.items()}
+                    for segments in (1, 4):
+                        blocks = dataclasses.replace(BlockSizes(chunk=chunk, value_block=vb, num_warps=warps,
+                                                                segments=segments), **{SPLITS[family]: True})
+                        with jax.default_matmul_precision("highest"):
+                            ref = jax.jit(lambda a, family=family: run_op(family, "xla", a, 16))(upcast)
+                            out = jax.jit(lambda a, family=family, blocks=blocks: run_op(family, "pallas", a, 16,
+                                                                                         blocks))(args)
+                        y_err = rel_err(out[0].astype(jnp.float32), ref[0])
+                        s_err = max(rel_err(o, r) for o, r in zip(jax.tree.leaves(out[1]), jax.tree.leaves(ref[1]),
+                                                                  strict=True))
+                        label = f"{family} ({SPLITS[family]}, tile {chunk},{vb},{warps}, {segments} segments)"
+                        rows.append(dict(family=label, dtype=jnp.dtype(dtype).name, b=b, t=t, y_rel_err=y_err,
+                                         state_rel_err=s_err))
+                        print(f"check {label}, {jnp.dtype(dtype).name:8s} b={b} t={t}: y {y_err:.2e} "
+                              f"state {s_err:.2e}", flush=True)
 
 
 BACKWARD_TIMING_SHAPE = (192, 256, 16, 64, 1, 128)  # (b, t, h, p, g, n): a training step's 256-token group
@@ -554,8 +570,11 @@ def ops_table(rows, families, lengths, batches, peers, rate, bw, mem_bytes):
 SWEEP = {  # (chunk, value_block, num_warps, segments) candidates for the heuristic; segments None = auto
     "ssd": [(64, 32, 4, 1), (64, 64, 4, 1), (64, 64, 8, 1), (128, 32, 8, 1), (32, 64, 4, 1),
             (64, 64, 4, 2), (64, 64, 4, 4), (64, 64, 4, 8), (64, 64, 4, 16)],
+    # a 5th entry True: its chunk factors a kernel parallel over chunks (BlockSizes.parallel_factors, session 22;
+    # the walk on wgmma at chunks of 32 and 64; kernel_registers.py)
     "wkv7": [(16, 16, 4, 1), (16, 32, 4, 1), (16, 32, 4, 2), (16, 32, 4, 8), (16, 32, 4, 16), (32, 32, 4, None),
-             (16, 64, 4, None), (16, 64, 8, None)],
+             (16, 64, 4, None), (16, 64, 8, None), (32, 64, 8, None, True), (64, 64, 8, None, True),
+             (32, 64, 4, None, True)],
     # since session 18 mLSTM's scores are a kernel of their own: (64, 64, 8) no longer spills. A 5th entry
     # True: its outputs a kernel parallel over chunks (BlockSizes.parallel_outputs, session 21; the walk
     # then holds 211 registers at 8 warps, the outputs kernel 48, no spills: kernel_registers.py)
@@ -572,7 +591,7 @@ def sweep(rows, families, lengths=(4096, 16384), b=1):
     import jax.numpy as jnp
 
     from jaxembed.kernels import BlockSizes, heuristic
-    from jaxembed.kernels.common import sequence_segments
+    from jaxembed.kernels.common import SPLITS, sequence_segments
 
     for family in families:
         s = SHAPES[family]
@@ -581,18 +600,19 @@ def sweep(rows, families, lengths=(4096, 16384), b=1):
             args = inputs(family, b, t, jnp.bfloat16, jax.random.PRNGKey(7))
             programs = b * s["h"] * (s.get("p", s.get("v")) // default.value_block)
             auto = sequence_segments(default, programs=programs, n_chunks=-(-t // default.chunk))
+            split = SPLITS.get(family)
             for chunk, vb, warps, segments, *parallel in SWEEP[family] + [
-                    (default.chunk, default.value_block, default.num_warps, None, default.parallel_outputs)]:
+                    (default.chunk, default.value_block, default.num_warps, None, split and getattr(default, split))]:
                 parallel = bool(parallel and parallel[0])
                 blocks = BlockSizes(chunk=chunk, value_block=vb, num_warps=warps, segments=segments,
-                                    parallel_outputs=parallel)
+                                    **({split: parallel} if split else {}))
                 try:
                     fn = jax.jit(lambda a, family=family, blocks=blocks: run_op(family, "pallas", a, 16, blocks))
                     ms = 1e3 * time_jax(fn, (args,))
                 except Exception as e:
                     ms = f"{type(e).__name__}: {str(e)[:100]}"
                 rows.append(dict(family=family, b=b, t=t, chunk=chunk, value_block=vb, num_warps=warps,
-                                 segments=segments, parallel_outputs=parallel, heuristic=blocks == default,
+                                 segments=segments, split=split if parallel else None, heuristic=blocks == default,
                                  heuristic_segments=auto if blocks == default else None, ms=ms))
                 print(rows[-1], flush=True)
                 jax.clear_caches()

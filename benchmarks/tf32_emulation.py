@@ -16,7 +16,11 @@ for others: WKV7's dots are [L, .] products, and only L >= 64 can run on Hopper'
 sequence, and decays drawn as RWKV7's log w = -exp(-1/2) sigmoid(z): "mixed" z ~ N(0, 3^2), "slow"
 z ~ N(-6, 3^2) (most channels long memory). Prints relative errors of y and the final state.
 
-    python benchmarks/tf32_emulation.py [--length 512] [--chunks 16]
+The kernel runs in two forms: "fused" (every chunk's intra-chunk work in the walk) and "factors"
+(`BlockSizes.parallel_factors`: the chunk factors a kernel of their own, the walk two products a
+chunk; `--forms fused,factors`, cumsum sums only).
+
+    python benchmarks/tf32_emulation.py [--length 512] [--chunks 16] [--forms fused]
 """
 
 from __future__ import annotations
@@ -78,24 +82,30 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--length", type=int, default=512)
     ap.add_argument("--chunks", default="16", help="kernel chunk sizes L, comma-separated (at most 64)")
+    ap.add_argument("--forms", default="fused", help="fused and/or factors, comma-separated")
     args = ap.parse_args(argv)
     chunks = [int(v) for v in args.chunks.split(",")]
+    forms = args.forms.split(",")
+    if not set(forms) <= {"fused", "factors"}:
+        raise SystemExit(f"--forms: fused and/or factors, got {args.forms!r}")
     rng = np.random.default_rng(0)
     exact_dot, cumsum_sums = common.dot, kernel._log_decay_sums
     print(f"WKV7 kernel (interpreted, all dots TF32-emulated) against the float32 recurrence, t = {args.length}\n")
-    print("| decays | chunk L | log-decay sums | y rel err | state rel err |\n|---|---|---|---|---|")
+    print("| decays | chunk L | form | log-decay sums | y rel err | state rel err |\n|---|---|---|---|---|---|")
     for slow in (False, True):
         xs, s0 = inputs(rng, args.length, slow)
         y_ref, s_ref = jax.jit(wkv7.recurrent)(*xs, initial_state=s0)
-        for L, (name, sums) in itertools.product(chunks, (("mask dots (before)", mask_dot_sums),
-                                                            ("cumsum (now)", cumsum_sums))):
+        for L, form, (name, sums) in itertools.product(chunks, forms, (("mask dots (before)", mask_dot_sums),
+                                                                        ("cumsum (now)", cumsum_sums))):
+            if form == "factors" and sums is mask_dot_sums:
+                continue
+            blocks = BlockSizes(chunk=L, value_block=32, segments=1, parallel_factors=form == "factors")
             common.dot, kernel._log_decay_sums = tf32_dot(exact_dot), sums
             try:  # the kernel with its custom_vjp, built anew (not from its cache) so that the patches are traced
-                y, s = kernel._differentiable.__wrapped__(L, BlockSizes(chunk=L, value_block=32, segments=1), True)(
-                    *xs, s0)
+                y, s = kernel._differentiable.__wrapped__(L, blocks, True)(*xs, s0)
             finally:
                 common.dot, kernel._log_decay_sums = exact_dot, cumsum_sums
-            print(f"| {'slow' if slow else 'mixed'} | {L} | {name} | {rel_err(y, y_ref):.2e} | "
+            print(f"| {'slow' if slow else 'mixed'} | {L} | {form} | {name} | {rel_err(y, y_ref):.2e} | "
                   f"{rel_err(s, s_ref):.2e} |", flush=True)
 
 

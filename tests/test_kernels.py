@@ -628,7 +628,8 @@ def test_ssd_state_slot_is_read_and_written_in_its_stack(backend):
 def test_wkv7_state_slot_is_read_and_written_in_its_stack(backend):
     """RWKV7's WKV state as a `StateSlot`: the final state lands in entry l, equal to the reference's
     from that entry, the other entries stay exactly as they were, and y and the bonus weight are the
-    reference's. One segment runs the kernel in place in the stack, two copy the entry out and back."""
+    reference's. One segment runs the kernel in place in the stack, two copy the entry out and back;
+    the same with the chunk factors a kernel of their own (`parallel_factors`)."""
     rng = np.random.default_rng(next(_draws))
     b, t, h, n, p = 2, 37, 2, 32, 32
     args = (_normal(rng, (b, t, h, n)), _normal(rng, (b, t, h, n), 2.0), _normal(rng, (b, t, h, n)),
@@ -637,17 +638,18 @@ def test_wkv7_state_slot_is_read_and_written_in_its_stack(backend):
     stack, layer = _normal(rng, (3, b, h, p, n)), 2
     y_ref, bonus_ref, s_ref = wkv7.rwkv7_chunked(*args, chunk_size=16, initial_state=stack[layer])
 
-    @functools.partial(jax.jit, static_argnums=2)
-    def run(stack, layer, segments):
+    @functools.partial(jax.jit, static_argnums=(2, 3))
+    def run(stack, layer, segments, parallel):
         return kernels.wkv7_rwkv7_chunked(*args, chunk_size=16, initial_state=StateSlot(stack, layer), backend=backend,
-                                          blocks=BlockSizes(chunk=16, value_block=16, segments=segments))
+                                          blocks=BlockSizes(chunk=16, value_block=16, segments=segments,
+                                                            parallel_factors=parallel))
 
-    for segments in (1, 2):
+    for segments, parallel in ((1, False), (2, False), (1, True), (2, True)):
         with _recorded_aliases() as aliased:
-            y, bonus, slot = run(stack, jnp.int32(layer), segments)
+            y, bonus, slot = run(stack, jnp.int32(layer), segments, parallel)
         assert any(a for _, a in aliased) == (backend == "interpret" and segments == 1), (backend, segments, aliased)
         assert isinstance(slot, StateSlot) and slot.stacked.shape == stack.shape
-        assert rel_err(y, y_ref) < 1e-5 and rel_err(bonus, bonus_ref) < 1e-5, segments
+        assert rel_err(y, y_ref) < 1e-5 and rel_err(bonus, bonus_ref) < 1e-5, (segments, parallel)
         assert rel_err(slot.stacked[layer], s_ref) < 1e-5, segments
         for other in (0, 1):
             np.testing.assert_array_equal(np.asarray(slot.stacked[other]), np.asarray(stack[other]))
@@ -792,20 +794,69 @@ def test_mlstm_outputs_parallel_over_chunks_match_the_reference(dtype):
             np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
 
 
-def test_parallel_outputs_is_an_mlstm_option_only():
-    """SSD and WKV7 have no outputs kernel of their own: asked for one, they say so."""
+def test_kernel_splits_are_their_own_kernels_options():
+    """`parallel_outputs` is mLSTM's and `parallel_factors` WKV7's: asked of another kernel, it says so."""
     S = jax.ShapeDtypeStruct
-    blocks = BlockSizes(chunk=16, value_block=16, parallel_outputs=True)
     x = S((1, 32, 2, 16), jnp.float32)
-    with pytest.raises(ValueError, match="parallel_outputs is an mLSTM option; the wkv7 kernel"):
+
+    def wkv7_call(blocks):
         jax.eval_shape(lambda *a: kernels.wkv7_chunked(*a, chunk_size=16, backend="interpret", blocks=blocks),
                        *(x,) * 6)
-    with pytest.raises(ValueError, match="parallel_outputs is an mLSTM option; the ssd kernel"):
+
+    def ssd_call(blocks):
         jax.eval_shape(lambda x, dt, A, B: kernels.ssd_chunked(x, dt, A, B, B, chunk_size=16, backend="interpret",
                                                                blocks=blocks),
                        x, S((1, 32, 2), jnp.float32), S((2,), jnp.float32), S((1, 32, 1, 16), jnp.float32))
-    with pytest.raises(ValueError, match="parallel_outputs must be a bool"):
-        BlockSizes(parallel_outputs=1)
+
+    def mlstm_call(blocks):
+        jax.eval_shape(lambda q, i: kernels.mlstm_chunked(q, q, q, i, i, chunk_size=16, backend="interpret",
+                                                          blocks=blocks), x, S((1, 32, 2), jnp.float32))
+
+    for field, owner, others in (("parallel_outputs", "mlstm", {"wkv7": wkv7_call, "ssd": ssd_call}),
+                                 ("parallel_factors", "wkv7", {"mlstm": mlstm_call, "ssd": ssd_call})):
+        blocks = BlockSizes(chunk=16, value_block=16, **{field: True})
+        for kernel, call in others.items():
+            with pytest.raises(ValueError, match=f"{field} is an option of the {owner} kernel; the {kernel} kernel"):
+                call(blocks)
+        with pytest.raises(ValueError, match=f"{field} must be a bool"):
+            BlockSizes(**{field: 1})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_wkv7_parallel_factors_match_the_recurrence(dtype):
+    """`BlockSizes.parallel_factors`: a kernel of one program per chunk computes each chunk's factors
+    (R, Y, A, d, H: y = R Sᵀ + Y, S' = S diag(d) + S A + H) and the walk reads them. The delta rule
+    against the token-by-token recurrence, and RWKV7's form (bonus weight included) against
+    `ops.wkv7.rwkv7_chunked`, from a random initial state, t = 75 (partly and wholly padded chunks),
+    padded key and value dims, two value blocks, 1 and 4 segments, and 16- and 64-token chunks; one
+    head decays at RWKV7's strongest rate in every channel, where the 64-token chunk's factored decays
+    reach exp(+-38.8)."""
+    rng = np.random.default_rng(next(_draws))
+    b, t, h, n, p = 1, 75, 2, 24, 20
+    kk = _normal(rng, (b, t, h, n))
+    kk = kk / jnp.linalg.norm(kk, axis=-1, keepdims=True)
+    logits = _normal(rng, (b, t, h, n), 3.0).at[:, :, 1].set(jnp.inf)  # head 1: log w = -exp(-1/2) everywhere
+    gate = jax.nn.sigmoid(_normal(rng, (b, t, h, n)))
+    delta = [a.astype(dtype) for a in (_normal(rng, (b, t, h, n)), logits, _normal(rng, (b, t, h, n), 0.5),
+                                       _normal(rng, (b, t, h, p)), -kk, kk * gate)]
+    heads = (_normal(rng, (h, n), 0.5), 0.8 + _normal(rng, (h, n), 0.2), 1.0 + _normal(rng, (h, n), 0.2),
+             _normal(rng, (h, n), 0.3))  # a0, k_k, k_a, r_k
+    rwkv7_args = (*delta[:4], _normal(rng, (b, t, h, n)).astype(dtype), *heads)
+    s0 = _normal(rng, (b, h, p, n))
+    y_ref, s_ref = wkv7.recurrent(*(a.astype(jnp.float32) for a in delta), initial_state=s0)
+    ry_ref, rbonus_ref, rs_ref = wkv7.rwkv7_chunked(*(a.astype(jnp.float32) for a in rwkv7_args), chunk_size=16,
+                                                    initial_state=s0)
+    y_tol = 1e-5 + (2.0**-9 if dtype == "bfloat16" else 0.0)  # y is written in v's dtype
+    for chunk in (16, 64):
+        for segments in (1, 4):
+            blocks = BlockSizes(chunk=chunk, value_block=16, segments=segments, parallel_factors=True)
+            y, s = kernels.wkv7_chunked(*delta, chunk_size=16, initial_state=s0, backend="interpret", blocks=blocks)
+            ry, rbonus, rs = kernels.wkv7_rwkv7_chunked(*rwkv7_args, chunk_size=16, initial_state=s0,
+                                                        backend="interpret", blocks=blocks)
+            for got, want, tol in ((y, y_ref, y_tol), (s, s_ref, 1e-5), (ry, ry_ref, y_tol), (rbonus, rbonus_ref, 1e-5),
+                                   (rs, rs_ref, 1e-5)):
+                assert bool(jnp.all(jnp.isfinite(got))), (chunk, segments)
+                assert rel_err(got, want) < tol, (chunk, segments, rel_err(got, want))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -844,13 +895,15 @@ def test_batch_one_kernels_lower_with_segments_at_7b_shapes(family):
     slots, so it splits the sequence: the segment-state kernel and the output kernel; at batch 4 one
     kernel. mLSTM's 128 eight-warp programs already fill them: one kernel unless segments are asked
     for, which lowers as two. (mLSTM has its intra-chunk scores kernel besides, and with
-    `parallel_outputs` a walk that writes the entering states and an outputs kernel.)"""
+    `parallel_outputs` a walk that writes the entering states and an outputs kernel; WKV7 with
+    `parallel_factors` has the chunk-factor kernel besides.)"""
     from jaxembed.kernels import mlstm as k_mlstm
     from jaxembed.kernels import wkv7 as k_wkv7
 
     S = jax.ShapeDtypeStruct
     t = 4096
-    cases = ((1, None, 2, False), (4, None, 1, False)) if family == "wkv7" else (
+    wkv7_cases = ((1, None, 2, False), (4, None, 1, False), (1, None, 3, True), (4, None, 2, True))
+    cases = wkv7_cases if family == "wkv7" else (
         (1, None, 1, False), (1, 4, 2, False), (4, None, 1, False), (1, None, 2, True), (1, 4, 3, True))
     for b, segments, kernel_calls, parallel in cases:
         if family == "mlstm":
@@ -862,13 +915,16 @@ def test_batch_one_kernels_lower_with_segments_at_7b_shapes(family):
             fn = functools.partial(k_mlstm.chunked, chunk_size=64, blocks=blocks)
         else:
             args = (S((b, t, 64, 64), jnp.bfloat16),) * 6
-            fn = functools.partial(k_wkv7.chunked, chunk_size=16)
+            blocks = dataclasses.replace(heuristic("wkv7", key_dim=64, value_dim=64), parallel_factors=parallel)
+            fn = functools.partial(k_wkv7.chunked, chunk_size=16, blocks=blocks)
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("xla.gpu.triton") == kernel_calls + (family == "mlstm"), (b, segments)
         assert ("mlstm_scores" in text) == (family == "mlstm")
         assert (f"{family}_segment_states" in text) == (segments not in (None, 1) or family == "wkv7" and b == 1)
-        # the outputs parallel over chunks: a walk that writes the entering states, and the outputs kernel
-        assert ("mlstm_chunk_states" in text) == ("mlstm_chunk_outputs" in text) == parallel, (b, segments)
+        # mLSTM's outputs parallel over chunks: a walk that writes the entering states, and the outputs
+        # kernel; WKV7's chunk factors: a kernel of their own before the walk
+        assert ("mlstm_chunk_states" in text) == ("mlstm_chunk_outputs" in text) == (parallel and family == "mlstm")
+        assert ("wkv7_chunk_factors" in text) == (parallel and family == "wkv7"), (b, segments)
         if family == "wkv7":  # bf16 inputs read in place, cast per tile inside: no float32 copy, no pad
             assert "stablehlo.convert" not in text and "stablehlo.pad" not in text
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from conftest import TOLERANCE, record_segments, rel_err
+from conftest import TOLERANCE, record_segments, rel_err, split_over_chunks
 from safetensors.torch import load_file, save_file
 from transformers.models.xlstm import configuration_xlstm as hf_config
 from transformers.models.xlstm import modeling_xlstm as hf_kernels
@@ -215,15 +215,9 @@ def test_interpreted_kernel_with_sequence_segments_matches_transformers(parallel
     sequence in segments (each segment's own end state, merged into the entering state); with
     `parallel_outputs` in the heuristic's tile, the walk writes each chunk's entering state and
     the outputs kernel, one program per chunk, computes the outputs (which it must have traced)."""
-    from jaxembed.kernels import common
     from jaxembed.kernels import mlstm as k_mlstm
 
-    monkeypatch.setitem(common._TILES, "mlstm", (*common._TILES["mlstm"][:3], parallel_outputs))
-    jax.clear_caches()  # the tile is not part of the compiled program's key: trace it anew, and drop it after
-    request.addfinalizer(jax.clear_caches)
-    traced = []
-    monkeypatch.setattr(k_mlstm, "_output_kernel", lambda *refs, _f=k_mlstm._output_kernel, **kw: (
-        traced.append(1), _f(*refs, **kw))[1])
+    traced = split_over_chunks(monkeypatch, request, "mlstm", parallel_outputs, k_mlstm, "_output_kernel")
     model = make_hf_xlstm(seed=5, **CASES["causal_lm_single_h4_q16"])
     model.save_pretrained(tmp_path)
     emb = jaxembed.load(tmp_path, kernels="interpret")

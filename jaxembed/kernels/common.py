@@ -7,12 +7,14 @@ sequence chunk by chunk: the intra-chunk matrix work and the inter-chunk state u
 in one loop, so the state never leaves registers and no per-chunk intermediate (chunk states,
 decay matrices) is written to memory. The loop over chunks is the inter-chunk recurrence (the
 `lax.scan` of `ops/`), run inside the kernel: on a GPU that is one launch instead of one per
-chunk, which matters when T / L is in the thousands. When that grid is too small to fill the GPU
-(batch 1), the kernels split the sequence into segments walked by programs of their own: a first kernel
-computes each segment's own end state from zero in parallel, and every program of the second
-enters its segment with the initial state carried through the segments before it (a few
-multiply-adds of [value block, n] tiles; WKV7 also carries each segment's n x n transition),
-then walks its chunks as above.
+chunk, which matters when T / L is in the thousands. (Two opt-in splits trade that for work
+parallel over chunks and per-chunk intermediates in memory: `BlockSizes.parallel_outputs` and
+`parallel_factors`.) When that grid is too small to fill the GPU (batch 1), the kernels split
+the sequence into segments walked by programs of their own: a first kernel computes each
+segment's own end state from zero in parallel, and every program of the second enters its
+segment with the initial state carried through the segments before it (a few multiply-adds of
+[value block, n] tiles; WKV7 also carries each segment's n x n transition), then walks its
+chunks as above.
 
 The GPU lowering is Pallas' Triton backend (explicit `CompilerParams`), the one of jax 0.10-0.11
 that lowers `BlockSpec` kernels with dots, reductions and `fori_loop` on any NVIDIA GPU and runs
@@ -52,6 +54,11 @@ class BlockSizes:
                  of two; None: `sequence_segments` picks it from the grid). The kernels first
                  compute each segment's own end state in a parallel pass, then start every
                  segment from the combined state of those before it.
+    parallel_outputs (mLSTM): the walk stores each chunk's entering state and a kernel parallel
+                 over chunks computes the outputs from it.
+    parallel_factors (WKV7): a kernel parallel over chunks computes each chunk's state-independent
+                 factors (its triangular inverse and their products) and the walk reads them: two
+                 products a chunk instead of the whole intra-chunk work.
     """
 
     chunk: int = 64
@@ -60,6 +67,7 @@ class BlockSizes:
     num_stages: int = 2
     segments: int | None = None
     parallel_outputs: bool = False
+    parallel_factors: bool = False
 
     def __post_init__(self):
         for name in ("chunk", "value_block"):
@@ -74,11 +82,15 @@ class BlockSizes:
                                           or self.segments > MAX_SEGMENTS):
             raise ValueError(f"BlockSizes.segments must be None or a power of two in [1, {MAX_SEGMENTS}], "
                              f"got {self.segments!r}")
-        if not isinstance(self.parallel_outputs, bool):
-            raise ValueError(f"BlockSizes.parallel_outputs must be a bool, got {self.parallel_outputs!r}")
+        for name in SPLITS.values():
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"BlockSizes.{name} must be a bool, got {getattr(self, name)!r}")
 
 
-# Per kernel: (chunk L, largest value block, warps[, parallel_outputs]), from `benchmarks/kernels.py
+# Each kernel's optional split of its work over chunks, the `BlockSizes` field that asks for it.
+SPLITS = {"mlstm": "parallel_outputs", "wkv7": "parallel_factors"}
+
+# Per kernel: (chunk L, largest value block, warps[, its split (SPLITS)]), from `benchmarks/kernels.py
 # --only sweep` on an H100 (docs/benchmarks.md). WKV7 takes 16-token chunks: the fastest in that sweep
 # and the one tile that does not spill (1.2-1.9 KB a thread at L = 32 and 64, which its numerics would
 # allow up to ops.wkv7.MAX_CHUNK; benchmarks/kernel_registers.py, session 21). SSD and mLSTM take
@@ -91,10 +103,10 @@ def heuristic(kernel: str, *, key_dim: int, value_dim: int) -> BlockSizes:
     [key, value block] stays within 8K float32 values per program (registers, not spills)."""
     if kernel not in _TILES:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {sorted(_TILES)}")
-    chunk, largest, warps, *parallel_outputs = _TILES[kernel]  # a 4th entry: `parallel_outputs` (mLSTM)
+    chunk, largest, warps, *split = _TILES[kernel]  # a 4th entry: the kernel's split (SPLITS)
     vb = min(padded(value_dim), largest, max(MIN_DOT, 8192 // padded(key_dim)))
-    return BlockSizes(chunk=chunk, value_block=vb, num_warps=warps, num_stages=2,
-                      parallel_outputs=bool(parallel_outputs and parallel_outputs[0]))
+    blocks = BlockSizes(chunk=chunk, value_block=vb, num_warps=warps, num_stages=2)
+    return dataclasses.replace(blocks, **{SPLITS[kernel]: True}) if split and split[0] else blocks
 
 
 # A program walks its chunks one after another, and each chunk's loads, dots and state update wait
@@ -159,8 +171,10 @@ def pad_axis(a, axis: int, size: int, value=0.0):
 def check_blocks(blocks: BlockSizes, value_dim: int, *, kernel: str) -> BlockSizes:
     if not isinstance(blocks, BlockSizes):
         raise TypeError(f"blocks must be a jaxembed.kernels.BlockSizes, got {type(blocks).__name__}")
-    if blocks.parallel_outputs and kernel != "mlstm":
-        raise ValueError(f"BlockSizes.parallel_outputs is an mLSTM option; the {kernel} kernel has no such split")
+    for owner, name in SPLITS.items():
+        if getattr(blocks, name) and kernel != owner:
+            raise ValueError(f"BlockSizes.{name} is an option of the {owner} kernel; the {kernel} kernel has no such "
+                             "split")
     return dataclasses.replace(blocks, value_block=min(blocks.value_block, padded(value_dim)))
 
 

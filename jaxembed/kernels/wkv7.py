@@ -22,9 +22,15 @@ of the segment's transitions diag(w_t) + a_t b_tᵀ [n, n] and H_seg its end sta
 state half of the chunk loop on more rows: the value rows from a zero state (H), and n rows that
 start as the identity with v = 0 (T, whose rows evolve like state rows with no input). Segment
 k's program enters with S_k = S_{k-1} T_{k-1} + H_{k-1} (S_0 the initial state).
+
+With `BlockSizes.parallel_factors`, the state-independent part of each chunk's work (the inverse and
+its products, `_chunk_factors`) is a kernel of one program per chunk, and the walks read its factors:
+per chunk y = R Sᵀ + Y and S ← S diag(d) + S A + H (docs/kernels.md).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +54,10 @@ def _log_decay_sums(lw):
     return g, g - lw, jnp.minimum(g_end[None, :] - g, 0.0), g_end
 
 
-def _through_chunk(S, lw, k, v, a, b, masks, L):
-    """The state S [pb, n] entering a chunk -> (U, g, B̂, K̂, the state leaving it)."""
-    _, strict = masks
+def _decayed(lw, k, a, b, strict):
+    """The chunk's decay-weighted factors from its tiles [l, n] (`ops.wkv7.chunk_intra`): (g, the
+    chunk's own log decay g_L [n], Ã, B̂, K̂, B̄, K̄, the strictly lower M_ab = tril(Ã B̂ᵀ, -1) and
+    M_ak = tril(Ã K̂ᵀ, -1)); `strict` is the [l, l] mask rows > cols."""
     g, g_prev, g_to_end, g_end = _log_decay_sums(lw)
     to_end = jnp.exp(g_to_end)  # <= 1
     a_dec = a * jnp.exp(g_prev)
@@ -58,16 +65,67 @@ def _through_chunk(S, lw, k, v, a, b, masks, L):
     b_inv, k_inv = b * inv, k * inv
     M_ab = jnp.where(strict, common.dot(a_dec, b_inv, trans_b=True), 0.0)
     M_ak = jnp.where(strict, common.dot(a_dec, k_inv, trans_b=True), 0.0)
-    U = common.dot(a_dec, S, trans_b=True) + common.dot(M_ak, v)
+    return g, g_end, a_dec, b_inv, k_inv, b * to_end, k * to_end, M_ab, M_ak
+
+
+def _unit_lower_solve(M, rhs, L):
+    """(I - M)⁻¹ rhs for a strictly lower-triangular M [L, L], as Π_k (I + M^(2^k)) rhs: exact once
+    2^k >= L (M^L = 0), log2(L) pairs of matmuls instead of a row-by-row substitution. rhs is a tuple
+    of [L, .] tiles sharing the powers of M."""
     steps = max(L - 1, 1).bit_length()
-    power = M_ab
-    for step in range(steps):  # U = Π_k (I + M^(2^k)) rhs
-        U = U + common.dot(power, U)
+    power = M
+    for step in range(steps):
+        rhs = tuple(x + common.dot(power, x) for x in rhs)
         if step + 1 < steps:
             power = common.dot(power, power)
-    S_next = S * jnp.exp(g_end)[None, :] + common.dot(U, b * to_end, trans_a=True) + common.dot(v, k * to_end,
-                                                                                                trans_a=True)
+    return rhs
+
+
+def _through_chunk(S, lw, k, v, a, b, masks, L):
+    """The state S [pb, n] entering a chunk -> (U, g, B̂, K̂, the state leaving it)."""
+    g, g_end, a_dec, b_inv, k_inv, b_end, k_end, M_ab, M_ak = _decayed(lw, k, a, b, masks[1])
+    (U,) = _unit_lower_solve(M_ab, (common.dot(a_dec, S, trans_b=True) + common.dot(M_ak, v),), L)
+    S_next = S * jnp.exp(g_end)[None, :] + common.dot(U, b_end, trans_a=True) + common.dot(v, k_end, trans_a=True)
     return U, g, b_inv, k_inv, S_next
+
+
+def _chunk_factors(tiles, v, L, store):
+    """A chunk's state-independent factors (`BlockSizes.parallel_factors`), float32, from its tiles
+    (`tiles()` -> r, log w, k, a, b, bonus: [l, n]; `v()` [l, p]): with S [p, n] the state entering it,
+
+        y = R Sᵀ + Y,    S_next = S diag(d) + S A + H
+
+    The fused loop's U = W Sᵀ + U₀ with W = (I - M_ab)⁻¹ Ã [l, n] and U₀ = (I - M_ab)⁻¹ M_ak V [l, p], so
+    R = R̃ + tril(R̃ B̂ᵀ) W and Y = tril(R̃ B̂ᵀ) U₀ + tril(R̃ K̂ᵀ) V [l, .], A = Wᵀ B̄ [n, n],
+    H = U₀ᵀ B̄ + Vᵀ K̄ [p, n] and d = exp(g_L) [n]. The decay diag(d) stays apart from A, as in the
+    fused loop: the state's own term is never rounded by a (TF32) dot.
+
+    `store(name, value)` takes each factor (and the bonus weight) as soon as it is computed, and each of
+    the three phases derives the tiles it needs from the refs anew: an [l, 64] float32 tile is l / 4
+    registers a thread at 4 warps, and the one-pass form, holding them all across the solve, spilled
+    576 B a thread at l = 32 (36 B this way; benchmarks/kernel_registers.py)."""
+    inclusive, strict = common.causal_masks(L)
+
+    def decayed():
+        r, lw, k, a, b, bonus = tiles()
+        return (r, bonus, *_decayed(lw, k, a, b, strict))
+
+    # the solve: W and U₀ share the powers of M_ab
+    _, bonus, _, _, a_dec, _, _, _, _, M_ab, M_ak = decayed()
+    store("bonus", bonus)
+    W, U0 = _unit_lower_solve(M_ab, (a_dec, common.dot(M_ak, v())), L)
+    # the state update's factors
+    _, _, _, g_end, _, _, _, b_end, k_end, _, _ = decayed()
+    store("A", common.dot(W, b_end, trans_a=True))
+    store("d", jnp.exp(g_end))
+    store("H", common.dot(U0, b_end, trans_a=True) + common.dot(v(), k_end, trans_a=True))
+    # the outputs' factors
+    r, _, g, _, _, b_inv, k_inv, _, _, _, _ = decayed()
+    r_dec = r * jnp.exp(g)
+    M_rb = jnp.where(inclusive, common.dot(r_dec, b_inv, trans_b=True), 0.0)
+    store("R", r_dec + common.dot(M_rb, W))
+    M_rk = jnp.where(inclusive, common.dot(r_dec, k_inv, trans_b=True), 0.0)
+    store("Y", common.dot(M_rb, U0) + common.dot(M_rk, v()))
 
 
 def _key_tiles(r_ref, w_ref, k_ref, a_ref, extra_refs, *, rwkv7: bool):
@@ -90,16 +148,33 @@ def _key_tiles(r_ref, w_ref, k_ref, a_ref, extra_refs, *, rwkv7: bool):
     return tiles
 
 
-def _kernel(r_ref, w_ref, k_ref, v_ref, a_ref, *refs, L, chunks, segments, rwkv7, in_place):
-    """Segment `program_id(3)` of the sequence (all of it when segments == 1): `chunks` chunks from
+def _walk(chunk, s0_ref, layer_ref, seg_T_ref, seg_H_ref, s_ref, *, value_block, chunks, segments):
+    """Run `chunk(c, S)` over segment `program_id(3)`'s chunks (all of them when segments == 1), from
     the initial state carried through the segments before it by their transitions and own end
-    states (`_segment_state_kernel`). With `rwkv7` (`_key_tiles`) it also writes each token's bonus
-    weight; `in_place`: the state refs are the stack of every layer's states, and `layer_ref`
-    says whose entry (`common.state_tile`)."""
-    extra, (s0_ref, *refs) = (refs[:4], refs[4:]) if rwkv7 else (refs[:1], refs[1:])
+    states, and store the final state from the last segment. `layer_ref`: the state refs are the
+    stack of every layer's states, and it says whose entry (`common.state_tile`)."""
+    tile = common.state_tile(layer_ref, value_block, axis=2)  # [pb, n] of [b, h, p, n]
+    S, first = s0_ref[tile], 0
+    if segments > 1:
+        segment = pl.program_id(3)
+        S = lax.fori_loop(0, segment, lambda j, S: common.dot(S, seg_T_ref[j]) + seg_H_ref[j], S)
+        first = segment * chunks
+    end = lax.fori_loop(first, first + chunks, chunk, S)
+    common.at_sequence_end(segments, lambda: s_ref.__setitem__(tile, end))
+
+
+def _state_refs(refs, *, segments, in_place):
+    """(layer_ref, the segments' T and H refs, the rest) of a walk's refs after its initial state."""
     layer_ref, *refs = refs if in_place else (None, *refs)
-    seg_T_ref, seg_H_ref = refs[:2] if segments > 1 else (None, None)
-    y_ref, *refs = refs[2:] if segments > 1 else refs
+    seg_T_ref, seg_H_ref, *refs = refs if segments > 1 else (None, None, *refs)
+    return layer_ref, seg_T_ref, seg_H_ref, refs
+
+
+def _kernel(r_ref, w_ref, k_ref, v_ref, a_ref, *refs, L, chunks, segments, rwkv7, in_place):
+    """The fused walk: every chunk's intra-chunk work and state update in one loop (`_walk`). With
+    `rwkv7` (`_key_tiles`) it also writes each token's bonus weight."""
+    extra, (s0_ref, *refs) = (refs[:4], refs[4:]) if rwkv7 else (refs[:1], refs[1:])
+    layer_ref, seg_T_ref, seg_H_ref, (y_ref, *refs) = _state_refs(refs, segments=segments, in_place=in_place)
     bonus_ref, s_ref = refs if rwkv7 else (None, *refs)
     tiles = _key_tiles(r_ref, w_ref, k_ref, a_ref, extra, rwkv7=rwkv7)
     masks = common.causal_masks(L)
@@ -119,29 +194,61 @@ def _kernel(r_ref, w_ref, k_ref, v_ref, a_ref, *refs, L, chunks, segments, rwkv7
         y_ref[t, :] = y.astype(y_ref.dtype)
         return S_next
 
-    tile = common.state_tile(layer_ref, v_ref.shape[-1], axis=2)  # [pb, n] of [b, h, p, n]
-    S, first = s0_ref[tile], 0
-    if segments > 1:
-        segment = pl.program_id(3)
-        S = lax.fori_loop(0, segment, lambda j, S: common.dot(S, seg_T_ref[j]) + seg_H_ref[j], S)
-        first = segment * chunks
-    end = lax.fori_loop(first, first + chunks, chunk, S)
-    common.at_sequence_end(segments, lambda: s_ref.__setitem__(tile, end))
+    _walk(chunk, s0_ref, layer_ref, seg_T_ref, seg_H_ref, s_ref, value_block=v_ref.shape[-1], chunks=chunks,
+          segments=segments)
+
+
+def _factor_kernel(r_ref, w_ref, k_ref, v_ref, a_ref, *refs, L, rwkv7):
+    """One chunk's `_chunk_factors` (and, with `rwkv7`, its tokens' bonus weights): one program per
+    (batch row, head, chunk), no state, so every chunk at once."""
+    extra, (R_ref, Y_ref, A_ref, d_ref, H_ref, *bonus_ref) = (refs[:4], refs[4:]) if rwkv7 else (refs[:1], refs[1:])
+    tiles = _key_tiles(r_ref, w_ref, k_ref, a_ref, extra, rwkv7=rwkv7)
+    outs = {"R": R_ref, "Y": Y_ref, "A": A_ref, "d": d_ref, "H": H_ref, "bonus": bonus_ref[0] if rwkv7 else None}
+
+    def store(name, value):
+        if outs[name] is not None:
+            outs[name][...] = value
+
+    _chunk_factors(lambda: tiles(slice(None)), lambda: v_ref[...].astype(F32), L, store)
+
+
+def _factored_step(S, c, A_ref, d_ref, H_ref, H=None):
+    """The state leaving chunk c from the state S [pb, n] entering it: S diag(d) + S A + H."""
+    return S * d_ref[pl.ds(c, 1), :] + common.dot(S, A_ref[c]) + (H_ref[c] if H is None else H)
+
+
+def _factored_kernel(R_ref, Y_ref, A_ref, d_ref, H_ref, s0_ref, *refs, L, chunks, segments, in_place):
+    """The walk over precomputed chunk factors (`_factor_kernel`): per chunk y = R Sᵀ + Y and the
+    state update, two [l or pb, n] x [n, .] products."""
+    layer_ref, seg_T_ref, seg_H_ref, (y_ref, s_ref) = _state_refs(refs, segments=segments, in_place=in_place)
+
+    def chunk(c, S):
+        t = pl.ds(pl.multiple_of(c * L, L), L)
+        y_ref[t, :] = (common.dot(R_ref[t, :], S, trans_b=True) + Y_ref[t, :]).astype(y_ref.dtype)
+        return _factored_step(S, c, A_ref, d_ref, H_ref)
+
+    _walk(chunk, s0_ref, layer_ref, seg_T_ref, seg_H_ref, s_ref, value_block=Y_ref.shape[-1], chunks=chunks,
+          segments=segments)
+
+
+def _segment_start(shape, value_blocks):
+    """(whether this program's rows are transition rows, their start): row blocks below
+    `value_blocks` are value rows entered with a zero state, the others rows of the identity
+    (rows past n stay zero)."""
+    block = pl.program_id(2)
+    transition = block >= value_blocks
+    rows = lax.broadcasted_iota(jnp.int32, shape, 0) + (block - value_blocks) * shape[0]
+    cols = lax.broadcasted_iota(jnp.int32, shape, 1)
+    return transition, jnp.where(jnp.logical_and(transition, rows == cols), 1.0, 0.0).astype(F32)
 
 
 def _segment_state_kernel(w_ref, k_ref, v_ref, a_ref, *refs, L, chunks, value_blocks, rwkv7):
-    """Rows of segment `program_id(3)`'s [H; T] (see the module docstring): row blocks below
-    `value_blocks` are value rows entered with a zero state, the others rows of the identity
-    entered with v = 0 (rows past n stay zero)."""
+    """Rows of segment `program_id(3)`'s [H; T] (see the module docstring), the transition rows
+    entered with v = 0 (`_segment_start`)."""
     *extra, s_ref = refs
     tiles = _key_tiles(None, w_ref, k_ref, a_ref, extra, rwkv7=rwkv7)
     masks = common.causal_masks(L)
-    block = pl.program_id(2)
-    transition = block >= value_blocks
-    pb, n = s_ref.shape
-    rows = lax.broadcasted_iota(jnp.int32, (pb, n), 0) + (block - value_blocks) * pb
-    cols = lax.broadcasted_iota(jnp.int32, (pb, n), 1)
-    S0 = jnp.where(jnp.logical_and(transition, rows == cols), 1.0, 0.0).astype(F32)
+    transition, S0 = _segment_start(s_ref.shape, value_blocks)
 
     def chunk(c, S):
         t = pl.ds(pl.multiple_of(c * L, L), L)
@@ -153,12 +260,24 @@ def _segment_state_kernel(w_ref, k_ref, v_ref, a_ref, *refs, L, chunks, value_bl
     s_ref[...] = lax.fori_loop(first, first + chunks, chunk, S0)
 
 
+def _factored_segment_kernel(A_ref, d_ref, H_ref, s_ref, *, chunks, value_blocks):
+    """`_segment_state_kernel` over precomputed chunk factors: transition rows take no H."""
+    transition, S0 = _segment_start(s_ref.shape, value_blocks)
+
+    def chunk(c, S):
+        return _factored_step(S, c, A_ref, d_ref, H_ref, H=jnp.where(transition, 0.0, H_ref[c]))
+
+    first = pl.program_id(3) * chunks
+    s_ref[...] = lax.fori_loop(first, first + chunks, chunk, S0)
+
+
 def _forward(r, w_logit, k, v, a, extra, state, *, rwkv7, blocks, interpret):
     """The kernels on the delta rule's inputs (extra = (b,)) or, with `rwkv7`, on RWKV7's
     projections (a = a's LoRA output, extra = (a0, k_k, k_a, r_k) [h, n]; `_key_tiles`). Returns
     (y, the bonus weight [b, t, h] float32 or None, final state). A `StateSlot` state is read and
     written in place in its stack where the kernel can address it (`common.addressable_slot`),
-    else copied out and back; the final state is then the slot."""
+    else copied out and back; the final state is then the slot. With `blocks.parallel_factors`, a
+    kernel parallel over chunks computes every chunk's `_chunk_factors` first, and the walk reads them."""
     bsz, t, h, n = r.shape
     p = v.shape[-1]
     L = blocks.chunk
@@ -187,46 +306,84 @@ def _forward(r, w_logit, k, v, a, extra, state, *, rwkv7, blocks, interpret):
         state_args, state_specs = [common.pad_axis(common.pad_axis(state, 2, P), 3, N)], [st]
     if rwkv7:  # the head's a0, k_k, k_a, r_k
         extra_args = [common.pad_axis(x, 1, N) for x in extra]
-        extra_key_specs = [pl.BlockSpec((None, N), lambda i, j, z, s: (j, 0))] * 4
+        extra_key_specs = [pl.BlockSpec((None, N), lambda i, j, *_: (j, 0))] * 4
     else:  # b
         extra_args = [common.pad_axis(common.pad_axis(extra[0], 1, T), 3, N)]
         extra_key_specs = [keys]
+    transition_blocks = -(-N // pb)
+    # the segment-state kernel's transition row blocks read (and zero) the last value block: any would do
+    transition_block = (lambda z: jnp.minimum(z, vb - 1)) if segments > 1 else (lambda z: z)
+    bonus = None
+    if blocks.parallel_factors:
+        n_chunks = T // L
+        chunk_keys = pl.BlockSpec((None, L, None, N), lambda i, j, c: (i, c, j, 0))
+        chunk_values = pl.BlockSpec((None, L, None, P), lambda i, j, c: (i, c, j, 0))
+        factor_shapes = [jax.ShapeDtypeStruct((bsz, T, h, N), F32), jax.ShapeDtypeStruct((bsz, T, h, P), F32),
+                         jax.ShapeDtypeStruct((bsz, h, n_chunks, N, N), F32),
+                         jax.ShapeDtypeStruct((bsz, h, n_chunks, N), F32),
+                         jax.ShapeDtypeStruct((bsz, h, n_chunks, P, N), F32)]
+        R, Y, A, d, H, *bonus = common.call(
+            lambda *refs: _factor_kernel(*refs, L=L, rwkv7=rwkv7), grid=(bsz, h, n_chunks),
+            in_specs=[chunk_keys, chunk_keys, chunk_keys, chunk_values, chunk_keys,
+                      *(extra_key_specs if rwkv7 else [chunk_keys])],
+            out_specs=[chunk_keys, chunk_values,
+                       pl.BlockSpec((None, None, None, N, N), lambda i, j, c: (i, j, c, 0, 0)),
+                       pl.BlockSpec((None, None, None, N), lambda i, j, c: (i, j, c, 0)),
+                       pl.BlockSpec((None, None, None, P, N), lambda i, j, c: (i, j, c, 0, 0)),
+                       *([pl.BlockSpec((None, L, None), lambda i, j, c: (i, c, j))] if rwkv7 else [])],
+            out_shape=[*factor_shapes, *([jax.ShapeDtypeStruct((bsz, T, h), F32)] if rwkv7 else [])],
+            blocks=blocks, interpret=interpret, name="wkv7_chunk_factors",
+        )(rp, lwp, kp, vp, ap, *extra_args)
+        bonus = bonus[0] if rwkv7 else None
+
+        def factor_specs(value_block):
+            return [pl.BlockSpec((None, None, n_chunks, N, N), lambda i, j, z, s: (i, j, 0, 0, 0)),
+                    pl.BlockSpec((None, None, n_chunks, N), lambda i, j, z, s: (i, j, 0, 0)),
+                    pl.BlockSpec((None, None, n_chunks, pb, N), lambda i, j, z, s: (i, j, 0, value_block(z), 0))]
+
+        segment_kernel = functools.partial(_factored_segment_kernel, chunks=chunks, value_blocks=vb)
+        segment_args, segment_specs = (A, d, H), factor_specs(transition_block)
+        walk_kernel = functools.partial(_factored_kernel, L=L, chunks=chunks, segments=segments, in_place=in_place)
+        walk_args, walk_specs = (R, Y, A, d, H), [keys, values, *factor_specs(lambda z: z)]
+        walk_outs, walk_shapes = [], []
+    else:
+        segment_kernel = functools.partial(_segment_state_kernel, L=L, chunks=chunks, value_blocks=vb, rwkv7=rwkv7)
+        segment_args = (lwp, kp, vp, ap, *extra_args)
+        transition_values = pl.BlockSpec((None, T, None, pb), lambda i, j, z, s: (i, 0, j, transition_block(z)))
+        segment_specs = [keys, keys, transition_values, keys, *extra_key_specs]
+        walk_kernel = functools.partial(_kernel, L=L, chunks=chunks, segments=segments, rwkv7=rwkv7, in_place=in_place)
+        walk_args, walk_specs = (rp, lwp, kp, vp, ap, *extra_args), [keys, keys, keys, values, keys, *extra_key_specs]
+        # with rwkv7, the bonus weight per token and head, one column per value block (each program
+        # writes its own; they are equal)
+        walk_outs = [pl.BlockSpec((None, T, None, None), lambda i, j, z, s: (i, 0, j, z))] if rwkv7 else []
+        walk_shapes = [jax.ShapeDtypeStruct((bsz, T, h, vb), F32)] if rwkv7 else []
     seg_specs, seg_args = [], []
     if segments > 1:
-        transition_blocks = -(-N // pb)
         rows = P + transition_blocks * pb  # [H; T] per segment, T's rows padded to whole blocks
-        # transition row blocks read (and zero) the last value block: any in-range block would do
-        transition_values = pl.BlockSpec((None, T, None, pb), lambda i, j, z, s: (i, 0, j, jnp.minimum(z, vb - 1)))
         own = common.call(
-            lambda *refs: _segment_state_kernel(*refs, L=L, chunks=chunks, value_blocks=vb, rwkv7=rwkv7),
-            grid=(bsz, h, vb + transition_blocks, segments - 1),
-            in_specs=[keys, keys, transition_values, keys, *extra_key_specs],
+            segment_kernel, grid=(bsz, h, vb + transition_blocks, segments - 1), in_specs=segment_specs,
             out_specs=pl.BlockSpec((None, None, None, pb, N), lambda i, j, z, s: (i, j, s, z, 0)),
             out_shape=jax.ShapeDtypeStruct((bsz, h, segments - 1, rows, N), F32), blocks=blocks, interpret=interpret,
             name="wkv7_segment_states",
-        )(lwp, kp, vp, ap, *extra_args)
+        )(*segment_args)
         seg_specs = [pl.BlockSpec((None, None, segments - 1, N, N), lambda i, j, z, s: (i, j, 0, 0, 0)),
                      pl.BlockSpec((None, None, segments - 1, pb, N), lambda i, j, z, s: (i, j, 0, z, 0))]
         seg_args = [own[:, :, :, P:P + N], own]  # T (a small copy), and H read in place (rows below P)
-    # with rwkv7, the bonus weight per token and head, one column per value block (each program
-    # writes its own; they are equal)
-    bonus_specs = [pl.BlockSpec((None, T, None, None), lambda i, j, z, s: (i, 0, j, z))] if rwkv7 else []
-    bonus_shapes = [jax.ShapeDtypeStruct((bsz, T, h, vb), F32)] if rwkv7 else []
     if in_place:  # the stack itself, aliased to the stack passed in
         ends_spec, ends_shape = pl.BlockSpec(), state_args[0].shape
     else:
         ends_spec, ends_shape = st, (bsz, h, P, N)
-    y, *bonus, ends = common.call(
-        lambda *refs: _kernel(*refs, L=L, chunks=chunks, segments=segments, rwkv7=rwkv7, in_place=in_place),
-        grid=(bsz, h, vb, segments),
-        in_specs=[keys, keys, keys, values, keys, *extra_key_specs, *state_specs, *seg_specs],
-        out_specs=[values, *bonus_specs, ends_spec],
-        out_shape=[jax.ShapeDtypeStruct((bsz, T, h, P), v.dtype), *bonus_shapes, jax.ShapeDtypeStruct(ends_shape, F32)],
+    y, *walk_out, ends = common.call(
+        walk_kernel, grid=(bsz, h, vb, segments), in_specs=[*walk_specs, *state_specs, *seg_specs],
+        out_specs=[values, *walk_outs, ends_spec],
+        out_shape=[jax.ShapeDtypeStruct((bsz, T, h, P), v.dtype), *walk_shapes, jax.ShapeDtypeStruct(ends_shape, F32)],
         blocks=blocks, interpret=interpret, name="wkv7_chunked",
-        input_output_aliases={5 + len(extra_args): 1 + len(bonus_specs)} if in_place else None,
-    )(rp, lwp, kp, vp, ap, *extra_args, *state_args, *seg_args)
+        input_output_aliases={len(walk_args): 1 + len(walk_outs)} if in_place else None,
+    )(*walk_args, *state_args, *seg_args)
     end = StateSlot(ends, state.layer) if in_place else ends[:, :, :p, :n]
-    return y[:, :t, :, :p], (bonus[0][:, :t, :, 0] if rwkv7 else None), end
+    if rwkv7:
+        bonus = bonus if bonus is not None else walk_out[0][..., 0]
+    return y[:, :t, :, :p], (bonus[:, :t, :] if rwkv7 else None), end
 
 
 @common.cached
