@@ -313,7 +313,6 @@ def _forward(r, w_logit, k, v, a, extra, state, *, rwkv7, blocks, interpret):
     transition_blocks = -(-N // pb)
     # the segment-state kernel's transition row blocks read (and zero) the last value block: any would do
     transition_block = (lambda z: jnp.minimum(z, vb - 1)) if segments > 1 else (lambda z: z)
-    bonus = None
     if blocks.parallel_factors:
         n_chunks = T // L
         chunk_keys = pl.BlockSpec((None, L, None, N), lambda i, j, c: (i, c, j, 0))
@@ -334,7 +333,7 @@ def _forward(r, w_logit, k, v, a, extra, state, *, rwkv7, blocks, interpret):
             out_shape=[*factor_shapes, *([jax.ShapeDtypeStruct((bsz, T, h), F32)] if rwkv7 else [])],
             blocks=blocks, interpret=interpret, name="wkv7_chunk_factors",
         )(rp, lwp, kp, vp, ap, *extra_args)
-        bonus = bonus[0] if rwkv7 else None
+        bonus = bonus[0] if bonus else None
 
         def factor_specs(value_block):
             return [pl.BlockSpec((None, None, n_chunks, N, N), lambda i, j, z, s: (i, j, 0, 0, 0)),
@@ -381,8 +380,8 @@ def _forward(r, w_logit, k, v, a, extra, state, *, rwkv7, blocks, interpret):
         input_output_aliases={len(walk_args): 1 + len(walk_outs)} if in_place else None,
     )(*walk_args, *state_args, *seg_args)
     end = StateSlot(ends, state.layer) if in_place else ends[:, :, :p, :n]
-    if rwkv7:
-        bonus = bonus if bonus is not None else walk_out[0][..., 0]
+    if walk_out:  # the fused walk's bonus weights, one (equal) column per value block
+        bonus = walk_out[0][..., 0]
     return y[:, :t, :, :p], (bonus[:, :t, :] if rwkv7 else None), end
 
 
