@@ -75,14 +75,17 @@ def record_segments():
 def split_over_chunks(monkeypatch, request, kernel: str, on: bool, module, stage: str) -> list:
     """Set `kernels.heuristic`'s tile of `kernel` with its split over chunks on or off (the 4th entry,
     `kernels.common.SPLITS`) for one test, and spy on `module.<stage>`, the split's own kernel body: the
-    returned list is non-empty once it has been traced."""
+    returned list is non-empty once it has been traced. The tile is not part of a compiled program's key:
+    with the split on, jax's compiled programs are dropped before (to trace it) and after (so that no
+    later test runs it in place of the default)."""
     import jax
 
     from jaxembed.kernels import common
 
     monkeypatch.setitem(common._TILES, kernel, (*common._TILES[kernel][:3], on))
-    jax.clear_caches()  # the tile is not part of the compiled program's key: trace it anew, and drop it after
-    request.addfinalizer(jax.clear_caches)
+    if on:
+        jax.clear_caches()
+        request.addfinalizer(jax.clear_caches)
     traced, body = [], getattr(module, stage)
     monkeypatch.setattr(module, stage, lambda *refs, **kw: (traced.append(1), body(*refs, **kw))[1])
     return traced

@@ -239,28 +239,6 @@ def test_adapted_lora_matrices_take_each_mix_and_agree_with_the_one_gemm_of_u():
         assert rel_err(g, w) < 1e-5, rel_err(g, w)
 
 
-@pytest.mark.parametrize("parallel_factors", [False, True])
-def test_interpreted_kernel_with_sequence_segments_matches_blinkdl(parallel_factors, blinkdl_model, monkeypatch,
-                                                                   request):
-    """The model path through the WKV7 Pallas kernel (`kernels="interpret"`) on one sequence of 531
-    tokens: 34 kernel chunks for a grid of 4 programs, so the kernel walks the sequence in segments
-    (each segment's own end state and transition, then S_in T + H), against BlinkDL's package. With
-    `parallel_factors` in the heuristic's tile, a kernel of one program per chunk computes every
-    chunk's factors (which it must have traced) and the walks read them."""
-    from jaxembed.kernels import wkv7 as k_wkv7
-
-    traced = split_over_chunks(monkeypatch, request, "wkv7", parallel_factors, k_wkv7, "_factor_kernel")
-    path, state, _, _ = blinkdl_model
-    emb = jaxembed.load(path.parent, chunk_size=Q, kernels="interpret")
-    seqs = random_seqs(100, (531,), seed=3)
-    with record_segments() as chosen:
-        out = emb.encode_ids(seqs, normalize_embeddings=False, batch_size=1)
-    err = rel_err(out[0], blinkdl_last_hidden(state, seqs)[0])
-    print(f"segments {sorted(set(chosen))}: relative error {err:.1e}")
-    assert chosen and max(chosen) > 1 and err < TOLERANCE["float32"]
-    assert bool(traced) == parallel_factors
-
-
 def test_fla_layout_and_pth_file_give_the_same_embeddings(blinkdl_model, tmp_path):
     """The same weights written as an fla-hub checkpoint, and the .pth path itself, load to the same model."""
     path, state, seqs, ref = blinkdl_model
@@ -359,3 +337,26 @@ def test_config_checks():
     cfg = rwkv7.RWKV7Config(vocab_size=10, d_model=128, n_layers=1)
     assert cfg.d_ffn == 512 and hash(cfg) == hash(rwkv7.RWKV7Config(**{k: v for k, v in cfg.to_dict().items()
                                                                          if k != "architecture"}))
+
+
+@pytest.mark.parametrize("parallel_factors", [False, True])
+def test_interpreted_kernel_with_sequence_segments_matches_blinkdl(parallel_factors, blinkdl_model, monkeypatch,
+                                                                   request):
+    """The model path through the WKV7 Pallas kernel (`kernels="interpret"`) on one sequence of 531
+    tokens: 34 kernel chunks for a grid of 4 programs, so the kernel walks the sequence in segments
+    (each segment's own end state and transition, then S_in T + H), against BlinkDL's package. With
+    `parallel_factors` in the heuristic's tile, a kernel of one program per chunk computes every
+    chunk's factors (which it must have traced) and the walks read them. Last in the file: with the
+    split on, it drops jax's compiled programs, which the tests before it reuse."""
+    from jaxembed.kernels import wkv7 as k_wkv7
+
+    traced = split_over_chunks(monkeypatch, request, "wkv7", parallel_factors, k_wkv7, "_factor_kernel")
+    path, state, _, _ = blinkdl_model
+    emb = jaxembed.load(path.parent, chunk_size=Q, kernels="interpret")
+    seqs = random_seqs(100, (531,), seed=3)
+    with record_segments() as chosen:
+        out = emb.encode_ids(seqs, normalize_embeddings=False, batch_size=1)
+    err = rel_err(out[0], blinkdl_last_hidden(state, seqs)[0])
+    print(f"segments {sorted(set(chosen))}: relative error {err:.1e}")
+    assert chosen and max(chosen) > 1 and err < TOLERANCE["float32"]
+    assert bool(traced) == parallel_factors

@@ -207,27 +207,6 @@ def test_bfloat16_close_to_float32_reference(name, tmp_path):
     assert max(errs) < TOLERANCE["bfloat16"], errs
 
 
-@pytest.mark.parametrize("parallel_outputs", [False, True])
-def test_interpreted_kernel_with_sequence_segments_matches_transformers(parallel_outputs, tmp_path, monkeypatch,
-                                                                        request):
-    """The model path through the mLSTM Pallas kernel (`kernels="interpret"`) on one sequence of
-    531 tokens: 9 or more kernel chunks for a grid of a few programs, so the kernel walks the
-    sequence in segments (each segment's own end state, merged into the entering state); with
-    `parallel_outputs` in the heuristic's tile, the walk writes each chunk's entering state and
-    the outputs kernel, one program per chunk, computes the outputs (which it must have traced)."""
-    from jaxembed.kernels import mlstm as k_mlstm
-
-    traced = split_over_chunks(monkeypatch, request, "mlstm", parallel_outputs, k_mlstm, "_output_kernel")
-    model = make_hf_xlstm(seed=5, **CASES["causal_lm_single_h4_q16"])
-    model.save_pretrained(tmp_path)
-    emb = jaxembed.load(tmp_path, kernels="interpret")
-    seqs = random_seqs(model.config.vocab_size, (531,), seed=2)
-    with record_segments() as chosen:
-        out = emb.encode_ids(seqs, normalize_embeddings=False, batch_size=1)
-    assert chosen and max(chosen) > 1 and rel_err(out[0], hf_xlstm_last_hidden(model, seqs)[0]) < TOL
-    assert bool(traced) == parallel_outputs
-
-
 # ---- conversion ----------------------------------------------------------------------------
 
 
@@ -295,3 +274,25 @@ def test_config_defaults_are_xlstm_7b():
         assert getattr(cfg, ours) == getattr(hf, theirs), ours
     yaml_cfg = load_config(Path(__file__).parents[1] / "configs" / "models" / "xlstm-7b.yaml")
     assert yaml_cfg == cfg
+
+
+@pytest.mark.parametrize("parallel_outputs", [False, True])
+def test_interpreted_kernel_with_sequence_segments_matches_transformers(parallel_outputs, tmp_path, monkeypatch,
+                                                                        request):
+    """The model path through the mLSTM Pallas kernel (`kernels="interpret"`) on one sequence of
+    531 tokens: 9 or more kernel chunks for a grid of a few programs, so the kernel walks the
+    sequence in segments (each segment's own end state, merged into the entering state); with
+    `parallel_outputs` in the heuristic's tile, the walk writes each chunk's entering state and
+    the outputs kernel, one program per chunk, computes the outputs (which it must have traced). Last in
+    the file: with the split on, it drops jax's compiled programs, which the tests before it reuse."""
+    from jaxembed.kernels import mlstm as k_mlstm
+
+    traced = split_over_chunks(monkeypatch, request, "mlstm", parallel_outputs, k_mlstm, "_output_kernel")
+    model = make_hf_xlstm(seed=5, **CASES["causal_lm_single_h4_q16"])
+    model.save_pretrained(tmp_path)
+    emb = jaxembed.load(tmp_path, kernels="interpret")
+    seqs = random_seqs(model.config.vocab_size, (531,), seed=2)
+    with record_segments() as chosen:
+        out = emb.encode_ids(seqs, normalize_embeddings=False, batch_size=1)
+    assert chosen and max(chosen) > 1 and rel_err(out[0], hf_xlstm_last_hidden(model, seqs)[0]) < TOL
+    assert bool(traced) == parallel_outputs
