@@ -101,7 +101,7 @@ def _chunk_factors(tiles, v, L, store):
     fused loop: the state's own term is never rounded by a (TF32) dot.
 
     `store(name, value)` takes each factor (and the bonus weight) as soon as it is computed, and each of
-    the three phases derives the tiles it needs from the refs anew: an [l, 64] float32 tile is l / 4
+    the three phases derives the tiles it needs from the refs anew: an [l, 64] float32 tile is l / 2
     registers a thread at 4 warps, and the one-pass form, holding them all across the solve, spilled
     576 B a thread at l = 32 (36 B this way; benchmarks/kernel_registers.py)."""
     inclusive, strict = common.causal_masks(L)
