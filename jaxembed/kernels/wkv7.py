@@ -312,7 +312,7 @@ def _forward(r, w_logit, k, v, a, extra, state, *, rwkv7, blocks, interpret):
         extra_key_specs = [keys]
     transition_blocks = -(-N // pb)
     # the segment-state kernel's transition row blocks read (and zero) the last value block: any would do
-    transition_block = (lambda z: jnp.minimum(z, vb - 1)) if segments > 1 else (lambda z: z)
+    transition_block = lambda z: jnp.minimum(z, vb - 1)
     if blocks.parallel_factors:
         n_chunks = T // L
         chunk_keys = pl.BlockSpec((None, L, None, N), lambda i, j, c: (i, c, j, 0))
