@@ -353,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_corpus_arguments(p)  # --corpus FILE --output-dir DIR ...
     p.set_defaults(func=cmd_embed)
 
-    p = sub.add_parser("train", help="fine-tune with InfoNCE and LoRA/QLoRA adapters (configs/train/*.yaml)")
+    p = sub.add_parser("train", help="train with InfoNCE: LoRA/QLoRA adapters, full fine-tuning or from scratch "
+                                     "(configs/train/*.yaml)")
     p.add_argument("config", type=Path, help="training config yaml")
     p.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
     p.add_argument("--no-export", action="store_true", help="skip writing the merged model to `output`")

@@ -127,6 +127,19 @@ def test_margin_skips_a_near_duplicate_of_the_positive_and_whitespace_duplicates
     assert stats["skipped_margin"] > 0
 
 
+def test_positives_equal_up_to_whitespace_are_one_candidate():
+    """Two records whose positives differ only in whitespace give the pool one entry (the first spelling):
+    a third record gets that text once, not both spellings."""
+    text = "python sorts lists with the sorted builtin"
+    pairs = [("how does python sort lists", text), ("python list sorting builtin", "python  sorts lists\twith the "
+                                                                                   "sorted builtin "), *PAIRS[1:]]
+    out, stats = mine_negatives(records_of(pairs), negatives=3, margin=None)
+    assert stats["pool"] == len(PAIRS)
+    third = next(r for r in out if r["query"] == "python sorted keys")
+    assert text in third["negatives"]
+    assert len({" ".join(n.split()) for n in third["negatives"]}) == len(third["negatives"]) == 3
+
+
 def test_other_positives_of_the_same_query_are_not_negatives():
     """The same query, also written with other whitespace: its positives are never its negatives."""
     second = "python lists sort in place with list sort"
@@ -218,6 +231,12 @@ def test_mine_file_refuses_to_replace_files_and_names_bad_lines(tmp_path):
     with pytest.raises(DataError, match=r"bad.jsonl: line 11: field 'positive' must be a string"):
         mine_file(bad, tmp_path / "x.jsonl", negatives=1)
     assert not (tmp_path / "x.jsonl").exists()
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(DataError, match=r"dir.jsonl is a directory"):
+        mine_file(src, tmp_path / "dir.jsonl", negatives=1, overwrite=True)
+    bad.write_text(src.read_text() + '{"query": "q", "positive": "half of a pair \\udc00", "negatives": []}\n')
+    with pytest.raises(DataError, match=r"line 11: field 'positive' holds a lone surrogate \(U\+DC00 at character 15"):
+        mine_file(bad, tmp_path / "x.jsonl", negatives=1)
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

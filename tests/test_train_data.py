@@ -288,7 +288,7 @@ def test_code_corpus_over_several_roots_splits_by_package(tmp_path):
         _package(second, name, [_function(f"{name}{i}", f"Order the {name} items number {i}", one if i % 2 else two)
                                 for i in range(40)])
     records, files = collect_functions([first, second], workers=2)
-    assert files == {"files": 4, "skipped_files": 0}
+    assert files == {"files": 4, "skipped_files": 0, "namespace_packages": []}
     assert not any("shadowed" in r["name"] for r in records)
     assert len(records) == 40 + 3 * 20  # one-statement bodies are left out by default
     counts = build_code_corpus(tmp_path / "out", roots=[first, second], source="code", heldout_fraction=0.25,
@@ -299,6 +299,44 @@ def test_code_corpus_over_several_roots_splits_by_package(tmp_path):
     assert {r["source"] for r in train + heldout} == {"code"}
     single = next(r for r in train + heldout if r["name"].endswith(":beta1") or r["name"].endswith(":gamma1"))
     assert single["positive"] == "def " + single["name"].rsplit(":", 1)[1] + "(x):\n    " + one[0]
+
+
+def test_code_corpus_nested_functions_near_duplicates_and_failed_reruns(tmp_path):
+    """A nested function's docstring is cut from its enclosing function's positive, and neither is the other's
+    negative; records equal up to whitespace (positives) or case, quotes and end punctuation (queries) are kept
+    once; namespace packages are named, not read; a rerun that fails leaves both files as they were."""
+    root = tmp_path / "site-packages"
+    body = ["scaled = [value * 2 + 1 for value in x]", "return [abs(value) for value in scaled]"]
+    nested = ('def outer(x):\n    """Apply the outer transformation to all values"""\n'
+              '    def inner(y):\n        """Double every inner value exactly twice"""\n'
+              '        doubled = [value * 2 for value in y]\n        return [value * 2 for value in doubled]\n'
+              '    total = sum(inner(x)) + len(x)\n    return [total - value for value in inner(x)]\n')
+    near_copy = _function("a_copy", "Compute the alpha value number 0.", ["", body[0], "", body[1]])  # of a0
+    same_query = _function("a_renamed", "compute the ``alpha`` value number 1", [body[0], "return scaled[::-1]"])
+    _package(root, "alpha", [nested] + [_function(f"a{i}", f"Compute the alpha value number {i}", body)
+                                        for i in range(30)] + [near_copy, same_query])
+    for name in ("beta", "gamma"):
+        _package(root, name, [_function(f"{name}{i}", f"Order the {name} items number {i}", body[1:] * 2)
+                              for i in range(30)])
+    (root / "nsp").mkdir()
+    (root / "nsp" / "mod.py").write_text(_function("n", "A function in a namespace package", body))
+    out = tmp_path / "out"
+    counts = build_code_corpus(out, roots=[root], source="code", heldout_fraction=0.3, negatives=3, workers=1)
+    assert counts["namespace_packages"] == ["nsp"] and counts["heldout_modules"] == 1
+    rows = _read(out / "train.jsonl") + _read(out / "heldout.jsonl")
+    names = [r["name"].rsplit(":", 1)[1] for r in rows]
+    assert "a_copy" not in names and "a_renamed" not in names and len(rows) == 2 + 30 + 60
+    by_name = {r["name"].rsplit(":", 1)[1]: r for r in rows}
+    outer, inner = by_name["outer"], by_name["inner"]
+    assert "Double every inner value" not in outer["positive"] and "def inner(y):" in outer["positive"]
+    assert outer["positive"] not in inner["negatives"] and inner["positive"] not in outer["negatives"]
+    before = {name: (out / name).read_bytes() for name in ("train.jsonl", "heldout.jsonl")}
+    with pytest.raises(ValueError, match=r"the heldout split has 3\d functions: too few for 40 distinct negatives"):
+        build_code_corpus(out, roots=[root], source="code", heldout_fraction=0.3, negatives=40, workers=1)
+    for fraction, split in ((0.01, "heldout"), (0.99, "train")):
+        with pytest.raises(ValueError, match=f"the {split} split is empty: heldout_fraction {fraction} of 92"):
+            build_code_corpus(out, roots=[root], source="code", heldout_fraction=fraction, workers=1)
+    assert {name: (out / name).read_bytes() for name in before} == before
 
 
 # ------------------------------------------------------------------------------------------ token pipeline

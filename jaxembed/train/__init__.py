@@ -1,1 +1,1 @@
-"""Fine-tuning: InfoNCE loss, LoRA/QLoRA adapters, data, sharded steps, the trainer."""
+"""Training: InfoNCE loss, LoRA/QLoRA adapters or full parameters, data, sharded steps, the trainer."""

@@ -1,13 +1,19 @@
 """Real code-search corpora from the Python sources on this machine.
 
 Every function or method with a docstring becomes one record: the query is the docstring's summary (its
-first paragraph, whitespace-normalised) and the positive is the function's source with the docstring
-removed. Hard negatives are other functions of the same module. The split is by top-level module (a
-package), so no held-out package is seen in training.
+first paragraph, whitespace-normalised) and the positive is the function's source with its docstring, and
+those of the functions and classes defined inside it, removed. Records are deduplicated before the split
+(positives compared after collapsing whitespace, queries also after lower-casing and dropping markup quotes
+and end punctuation), so no near-copy of a training record is held out. Hard negatives are other functions
+of the same module, never one that contains the record's function or is contained in it. The split is by
+top-level module (a package), so no held-out package is seen in training; both files are built and checked
+before either is written.
 
 - ``stdlib``: the CPython standard library (about 3k records on Python 3.11).
-- ``packages``: the standard library and every installed package on ``sys.path`` (about 50k records with
-  this project's dev install); a top-level name found in two places is taken from the first, as imports do.
+- ``packages``: the standard library and every regular package (a directory with ``__init__.py``, or a
+  module file) on ``sys.path`` (about 59k records with this project's dev install); a top-level name found
+  in two places is taken from the first, as imports do. Namespace packages (no ``__init__.py``, e.g.
+  ``google``, ``orbax``) are not read; their names are counted and listed in the result.
 
 The output depends only on the sources and the arguments, and is byte-identical across runs::
 
@@ -61,8 +67,11 @@ def package_roots() -> list[Path]:
     return roots
 
 
-def _module_files(root: Path, modules: Iterable[str] | None) -> list[tuple[str, Path]]:
-    """(top-level module name, file) for every stdlib .py file to use, sorted."""
+def _module_files(root: Path, modules: Iterable[str] | None,
+                  namespace_packages: set[str] | None = None) -> list[tuple[str, Path]]:
+    """(top-level module name, file) for every .py file of the regular packages and modules under `root`,
+    sorted. The names of namespace packages (identifier directories holding .py files but no __init__.py)
+    are added to `namespace_packages`, which are not read."""
     wanted = None if modules is None else set(modules)
     out: list[tuple[str, Path]] = []
     for entry in sorted(root.iterdir(), key=lambda p: p.name):
@@ -70,7 +79,11 @@ def _module_files(root: Path, modules: Iterable[str] | None) -> list[tuple[str, 
             if wanted is None or entry.stem in wanted:
                 out.append((entry.stem, entry))
         elif (entry.is_dir() and entry.name.isidentifier() and entry.name not in SKIP_DIRS
-              and (entry / "__init__.py").is_file() and (wanted is None or entry.name in wanted)):
+              and (wanted is None or entry.name in wanted)):
+            if not (entry / "__init__.py").is_file():
+                if namespace_packages is not None and next(entry.rglob("*.py"), None) is not None:
+                    namespace_packages.add(entry.name)
+                continue
             for dirpath, dirnames, filenames in os.walk(entry):
                 dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and d.isidentifier())
                 out.extend((entry.name, Path(dirpath) / f) for f in sorted(filenames) if f.endswith(".py"))
@@ -97,6 +110,38 @@ def _line_text(lines: list[bytes], lineno: int) -> bytes:
     return lines[lineno - 1].rstrip(b"\r\n")
 
 
+def _docstring_statement(node: ast.AST) -> ast.Expr | None:
+    body = getattr(node, "body", None)
+    if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body
+            and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)):
+        return body[0]
+    return None
+
+
+def _on_own_lines(blines: list[bytes], stmt: ast.stmt, next_lineno: int | None) -> bool:
+    """Whether a statement has its lines to itself (nothing before it on its first line, nothing after it on
+    its last, the next statement on a later line), so removing those lines removes exactly it."""
+    first, last = _line_text(blines, stmt.lineno), _line_text(blines, stmt.end_lineno)
+    return not (first[: stmt.col_offset].strip() or last[stmt.end_col_offset:].strip()
+                or (next_lineno is not None and next_lineno <= stmt.end_lineno))
+
+
+def _inner_docstrings(node: ast.AST, blines: list[bytes]) -> list[ast.Expr] | None:
+    """The docstrings of the functions and classes defined inside `node`, or None when one does not have its
+    lines to itself (then it cannot be cut out exactly)."""
+    out = []
+    for inner in ast.walk(node):
+        doc = _docstring_statement(inner) if inner is not node else None
+        if doc is None:
+            continue
+        following = inner.body[1].lineno if len(inner.body) > 1 else None
+        if doc.lineno <= inner.lineno or not _on_own_lines(blines, doc, following):
+            return None
+        out.append(doc)
+    return out
+
+
 def _function_records(source: str, tree: ast.AST, module: str, relpath: str,
                       min_body_statements: int = MIN_BODY_STATEMENTS) -> list[dict]:
     """(query, positive, ...) for every documented, non-trivial function of one parsed file, in source order."""
@@ -116,26 +161,31 @@ def _function_records(source: str, tree: ast.AST, module: str, relpath: str,
             continue
         doc_stmt = node.body[0]
         # The docstring must sit on lines of its own (not `def f(): "doc"; ...`), so removing its lines is exact.
-        first, last = _line_text(blines, doc_stmt.lineno), _line_text(blines, doc_stmt.end_lineno)
-        if (doc_stmt.lineno <= node.lineno or first[: doc_stmt.col_offset].strip()
-                or last[doc_stmt.end_col_offset:].strip() or body[0].lineno <= doc_stmt.end_lineno):
+        if doc_stmt.lineno <= node.lineno or not _on_own_lines(blines, doc_stmt, body[0].lineno):
             continue
         if blines[node.lineno - 1][: node.col_offset].strip():
             continue
+        # The docstrings of functions and classes defined inside go too: a nested function's summary (another
+        # record's query) left in this positive would make it that record's answer, not a negative.
+        inner = _inner_docstrings(node, blines)
+        if inner is None:
+            continue
+        docstrings = [doc_stmt, *inner]
         # The function's lines, the last one cut where the function ends (a trailing comment goes): the text of
         # ast.get_source_segment(padded=True), which re-splits the whole file on every call (quadratic).
         seg_lines = [b.rstrip(b"\r\n").decode("utf-8") for b in blines[node.lineno - 1: node.end_lineno]]
         seg_lines[-1] = _line_text(blines, node.end_lineno)[: node.end_col_offset].decode("utf-8")
-        drop_from, drop_to = doc_stmt.lineno - node.lineno, doc_stmt.end_lineno - node.lineno
-        kept = seg_lines[:drop_from] + seg_lines[drop_to + 1:]
+        dropped = {line - node.lineno for d in docstrings for line in range(d.lineno, d.end_lineno + 1)}
+        kept = [line for i, line in enumerate(seg_lines) if i not in dropped]
         positive = textwrap.dedent("\n".join(kept)).strip("\n")
-        body_text = "\n".join(seg_lines[body[0].lineno - node.lineno:])
+        body_text = "".join(line for i, line in enumerate(seg_lines)
+                            if i >= body[0].lineno - node.lineno and i not in dropped)
         if len("".join(body_text.split())) < MIN_BODY_CHARS:
             continue
         if query in " ".join(positive.split()):
-            continue  # the summary also appears in the code (e.g. a nested function with the same docstring)
+            continue  # the summary also appears in the code (e.g. a comment, or a string)
         out.append({"query": query, "positive": positive, "module": module,
-                    "name": f"{relpath}:{node.lineno}:{node.name}"})
+                    "name": f"{relpath}:{node.lineno}:{node.name}", "span": (relpath, node.lineno, node.end_lineno)})
     out.sort(key=lambda r: int(r["name"].split(":")[1]))
     return out
 
@@ -160,14 +210,17 @@ def collect_functions(root: Path | Sequence[Path] | None = None, modules: Iterab
                       ) -> tuple[list[dict], dict]:
     """All usable functions under `root` (one directory or several; default: the stdlib), or of `modules`
     only, sorted by (module, file, line), deduplicated by query and by positive (the first occurrence is
-    kept). A top-level module found under two roots is taken from the first. Files are parsed on `workers`
-    processes (default: one per core); the result does not depend on it. Also returns file counts."""
+    kept; queries compared by `_query_key`, positives with whitespace collapsed). A top-level module found
+    under two roots is taken from the first. Files are parsed on `workers`
+    processes (default: one per core); the result does not depend on it. Also returns file counts and the
+    namespace packages not read."""
     roots = [stdlib_dir()] if root is None else [Path(root)] if isinstance(root, (str, os.PathLike)) else [
         Path(r) for r in root]
     jobs: list[tuple[str, str, str, int]] = []
     owner: dict[str, Path] = {}
+    namespace_packages: set[str] = set()
     for r in roots:
-        for module, path in _module_files(r, modules):
+        for module, path in _module_files(r, modules, namespace_packages):
             if owner.setdefault(module, r) == r:
                 jobs.append((module, str(path), path.relative_to(r).as_posix(), min_body_statements))
     workers = workers or os.cpu_count() or 1
@@ -182,12 +235,20 @@ def collect_functions(root: Path | Sequence[Path] | None = None, modules: Iterab
     seen_p: set[str] = set()
     unique = []
     for r in records:
-        if r["query"] in seen_q or r["positive"] in seen_p:
+        q, p = _query_key(r["query"]), " ".join(r["positive"].split())
+        if q in seen_q or p in seen_p:
             continue
-        seen_q.add(r["query"])
-        seen_p.add(r["positive"])
+        seen_q.add(q)
+        seen_p.add(p)
         unique.append(r)
-    return unique, {"files": len(jobs) - n_skipped, "skipped_files": n_skipped}
+    return unique, {"files": len(jobs) - n_skipped, "skipped_files": n_skipped,
+                    "namespace_packages": sorted(namespace_packages - set(owner))}
+
+
+def _query_key(query: str) -> str:
+    """A query as compared for duplicates: lower case, whitespace collapsed, without markup quotes (backticks,
+    quotes, asterisks) or punctuation at its ends. Operators stay: "Return a < b" is not "Return a > b"."""
+    return " ".join(re.sub(r"[`'\"*]", "", query.lower()).split()).strip(" .,;:!?")
 
 
 def _split_modules(counts: dict[str, int], heldout_fraction: float, seed: int) -> set[str]:
@@ -204,8 +265,14 @@ def _split_modules(counts: dict[str, int], heldout_fraction: float, seed: int) -
     return heldout
 
 
+def _nested(a: tuple[str, int, int], b: tuple[str, int, int]) -> bool:
+    """Whether one function's span (file, first line, last line) holds the other's."""
+    return a[0] == b[0] and (a[1] <= b[1] <= b[2] <= a[2] or b[1] <= a[1] <= a[2] <= b[2])
+
+
 def _add_negatives(rows: list[dict], k: int, seed: int, split: str) -> None:
-    """`k` negatives per row: other functions of the same module, then (small modules) of other modules."""
+    """`k` negatives per row: other functions of the same module, then (small modules) of other modules; never a
+    function that contains the row's or is contained in it (its code is part of the answer)."""
     if not k:
         for r in rows:
             r["negatives"] = []
@@ -220,7 +287,7 @@ def _add_negatives(rows: list[dict], k: int, seed: int, split: str) -> None:
         rng = np.random.default_rng([seed, zlib.crc32(f"{split}:{module}".encode())])
         others_everywhere = None
         for i in idx:
-            same = [j for j in idx if j != i]
+            same = [j for j in idx if j != i and not _nested(rows[i]["span"], rows[j]["span"])]
             picked = [same[j] for j in rng.permutation(len(same))[:k]] if same else []
             if len(picked) < k:
                 if others_everywhere is None:
@@ -255,7 +322,7 @@ def build_code_corpus(
     min_body_statements: int = MIN_BODY_STATEMENTS,
 ) -> dict:
     """Write ``train.jsonl`` and ``heldout.jsonl`` (the `jaxembed.train.data` schema plus ``module`` and ``name``)
-    into `out_dir`, each atomically; return the counts.
+    into `out_dir`, both built and checked before either is written, each atomically; return the counts.
 
     `max_per_module` keeps at most that many functions per top-level module (a seeded choice, kept in source
     order); `modules` restricts the corpus to those top-level modules. Texts are never truncated.
@@ -283,20 +350,32 @@ def build_code_corpus(
                 by_module[m] = [rs[i] for i in sorted(rng.choice(len(rs), size=max_per_module, replace=False))]
     heldout_modules = _split_modules({m: len(rs) for m, rs in by_module.items()}, heldout_fraction, seed)
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    counts: dict = {}
+    # Both splits are built and checked before either file is written: a failed run leaves the directory as
+    # it was, never a new train.jsonl beside an old heldout.jsonl (whose modules could then be in both).
+    texts, counts = {}, {}
     for split in ("train", "heldout"):
         in_split = [m for m in sorted(by_module) if (m in heldout_modules) == (split == "heldout")]
         rows = [dict(r) for m in in_split for r in by_module[m]]
+        if not rows and (split == "train" or heldout_fraction > 0):
+            raise ValueError(f"the {split} split is empty: heldout_fraction {heldout_fraction} of {len(records)} "
+                             f"functions in {len(by_module)} modules leaves it no module"
+                             + ("" if split == "train" else " (use 0 for no held-out split)"))
         if rows:
             _add_negatives(rows, negatives, seed, split)
-        write_text_atomically(out_dir / f"{split}.jsonl", "".join(
+        texts[split] = "".join(
             json.dumps({"query": r["query"], "positive": r["positive"], "negatives": r["negatives"],
                         "instruction": INSTRUCTION, "source": source, "module": r["module"], "name": r["name"]},
-                       ensure_ascii=False) + "\n" for r in rows))
+                       ensure_ascii=False) + "\n" for r in rows)
         counts[f"{split}_rows"] = len(rows)
         counts[f"{split}_modules"] = len({r["module"] for r in rows})
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Each file is replaced atomically; the old pair goes first, so a run stopped between the two writes
+    # leaves a split missing (an error when training), not one split of each run.
+    for split in ("train", "heldout"):
+        (out_dir / f"{split}.jsonl").unlink(missing_ok=True)
+    for split in ("heldout", "train"):
+        write_text_atomically(out_dir / f"{split}.jsonl", texts[split])
     counts.update(files)
     counts["python"] = ".".join(map(str, sys.version_info[:3]))
     return counts
@@ -319,10 +398,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    namespace = counts.get("namespace_packages") or []
     print(f"wrote {args.out_dir}/train.jsonl: {counts['train_rows']} rows from {counts['train_modules']} modules; "
           f"{args.out_dir}/heldout.jsonl: {counts['heldout_rows']} rows from {counts['heldout_modules']} modules "
-          f"(Python {counts['python']} {args.kind}, {counts['files']} files, {counts['skipped_files']} skipped; "
-          f"{time.perf_counter() - t0:.1f}s)")
+          f"(Python {counts['python']} {args.kind}, {counts['files']} files, {counts['skipped_files']} skipped"
+          + (f"; {len(namespace)} namespace packages not read: {', '.join(namespace)}" if namespace else "")
+          + f"; {time.perf_counter() - t0:.1f}s)")
     return 0
 
 

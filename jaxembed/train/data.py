@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import tempfile
 import zlib
 from collections.abc import Iterator, Sequence
@@ -40,6 +41,7 @@ ALLOWED_SUFFIXES = JSON_SUFFIXES + PARQUET_SUFFIXES
 COLUMNS = ("query", "positive", "negatives", "instruction", "source")
 _REQUIRED = ("query", "positive")  # negatives may be left out: none (in-batch negatives only, or `jaxembed mine`)
 _OPTIONAL = ("instruction", "source")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # only unpaired ones survive json.loads as such
 _PLAN_ORDER_TAG = 0x6F726472  # "ordr": keeps the batch-order stream apart from every per-source stream
 
 
@@ -289,6 +291,13 @@ def _validate(row, path: Path, where: str) -> dict[str, Any]:
     for c in _OPTIONAL:
         if row.get(c) is not None and not isinstance(row[c], str):
             raise DataError(f"{path}: {where}: field {c!r} must be a string when given, got {_type_name(row[c])}")
+    for name, text in [("query", row["query"]), ("positive", row["positive"]),
+                       *((f"negatives[{i}]", n) for i, n in enumerate(negs)),
+                       *((c, row[c]) for c in _OPTIONAL if row.get(c) is not None)]:
+        surrogate = _LONE_SURROGATE.search(text)
+        if surrogate:  # a JSON escape such as "\udc00": not text, and no tokenizer or UTF-8 writer takes it
+            raise DataError(f"{path}: {where}: field {name!r} holds a lone surrogate (U+{ord(surrogate[0]):04X} at "
+                            f"character {surrogate.start()}), which is not text")
     return {"query": row["query"], "positive": row["positive"], "negatives": list(negs),
             "instruction": row.get("instruction") or "", "source": row.get("source") or path.stem}
 

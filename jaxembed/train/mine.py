@@ -1,7 +1,8 @@
 """Hard negatives for a training triples file: `jaxembed mine IN.jsonl OUT.jsonl --negatives K`.
 
-The candidates are the distinct non-blank positives of all records (the pool). Each query ranks the pool,
-best first, ties to the lower pool index (first appearance in the file):
+The candidates are the distinct non-blank positives of all records (the pool), compared after collapsing
+whitespace (the first spelling in the file is the one written), so no record gets the same text twice. Each
+query ranks the pool, best first, ties to the lower pool index (first appearance in the file):
 
 * ``bm25``: bm25s's Okapi BM25 (k1 1.5, b 0.75, Lucene idf; its tokenizer with English stopwords). The scores
   are bm25s's own per-(document, term) index entries, summed for many queries at once by one sparse product.
@@ -65,18 +66,21 @@ def mine_negatives(records, *, negatives: int, method: str = "bm25", embedder=No
     _check_records(records)
 
     active = [i for i, rec in enumerate(records) if rec["query"].strip() and rec["positive"].strip()]
-    pool = list(dict.fromkeys(rec["positive"] for rec in records if rec["positive"].strip()))
+    first_spelling: dict[str, str] = {}  # positive with whitespace collapsed -> its first spelling in the file
+    for rec in records:
+        if rec["positive"].strip():
+            first_spelling.setdefault(_collapse_whitespace(rec["positive"]), rec["positive"])
+    pool, pool_normalised = list(first_spelling.values()), list(first_spelling)
     if len(pool) < 2:
         raise DataError(f"need at least 2 distinct non-blank positives to mine negatives from, got {len(pool)}")
-    pool_index = {text: j for j, text in enumerate(pool)}
-    pool_normalised = [_collapse_whitespace(text) for text in pool]
+    pool_index = {text: j for j, text in enumerate(pool_normalised)}
     positives_of_query: dict[str, set[str]] = {}  # by the query with whitespace collapsed, as the positives
     for i in active:
         positives_of_query.setdefault(_collapse_whitespace(records[i]["query"]), set()).add(
             _collapse_whitespace(records[i]["positive"]))
 
     queries = [records[i]["query"] for i in active]
-    positive = np.array([pool_index[records[i]["positive"]] for i in active], np.int32)
+    positive = np.array([pool_index[_collapse_whitespace(records[i]["positive"])] for i in active], np.int32)
     if method == "bm25":
         score_rows = _bm25_scorer(queries, pool)
     else:
@@ -209,8 +213,12 @@ def _ranked(score_rows, positive: np.ndarray, pool_size: int, k: int, show_progr
 
 
 def _bm25_scorer(queries: list[str], pool: list[str]):
+    import logging
+
     import bm25s
     import scipy.sparse
+
+    logging.getLogger("bm25s").setLevel(logging.WARNING)  # bm25s sets DEBUG, printed once absl configures logging
 
     pool_tokens = bm25s.tokenize(pool, stopwords="en", show_progress=False)
     if not pool_tokens.vocab:
@@ -301,6 +309,8 @@ def _check_paths(in_path: Path, out_path: Path, *, overwrite: bool) -> None:
         raise DataError(f"{out_path}: the output must be a .jsonl file")
     if not out_path.parent.is_dir():
         raise DataError(f"{out_path}: directory {out_path.parent} does not exist")
+    if out_path.is_dir():
+        raise DataError(f"{out_path} is a directory; the output is a .jsonl file")
     if out_path.resolve() == in_path.resolve() and not overwrite:
         raise DataError(f"{out_path} is the input file; pass --overwrite (overwrite=True) to replace it")
     if out_path.exists() and not overwrite:
