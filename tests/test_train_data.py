@@ -304,7 +304,9 @@ def test_code_corpus_over_several_roots_splits_by_package(tmp_path):
 def test_code_corpus_nested_functions_near_duplicates_and_failed_reruns(tmp_path):
     """A nested function's docstring is cut from its enclosing function's positive, and neither is the other's
     negative; records equal up to whitespace (positives) or case, quotes and end punctuation (queries) are kept
-    once; namespace packages are named, not read; a rerun that fails leaves both files as they were."""
+    once; markup summaries and stub bodies are left out; a method is dedented by its def line although a string
+    in it starts at column 0; namespace packages are named, not read; a rerun that fails leaves both files as
+    they were."""
     root = tmp_path / "site-packages"
     body = ["scaled = [value * 2 + 1 for value in x]", "return [abs(value) for value in scaled]"]
     nested = ('def outer(x):\n    """Apply the outer transformation to all values"""\n'
@@ -313,8 +315,13 @@ def test_code_corpus_nested_functions_near_duplicates_and_failed_reruns(tmp_path
               '    total = sum(inner(x)) + len(x)\n    return [total - value for value in inner(x)]\n')
     near_copy = _function("a_copy", "Compute the alpha value number 0.", ["", body[0], "", body[1]])  # of a0
     same_query = _function("a_renamed", "compute the ``alpha`` value number 1", [body[0], "return scaled[::-1]"])
-    _package(root, "alpha", [nested] + [_function(f"a{i}", f"Compute the alpha value number {i}", body)
-                                        for i in range(30)] + [near_copy, same_query])
+    skipped = [_function("a_markup", ":param x: the values to scale by two", body),
+               _function("a_stub", "Subclasses compute the scaled values here", [
+                   'raise NotImplementedError("subclasses compute the scaled values here")'])]
+    method = ('class Holder:\n    def render(self, x):\n        """Render the values as an indented text block"""\n'
+              '        text = """\nvalues:\n"""\n        return text + "\\n".join(f"  {value}" for value in x)\n')
+    _package(root, "alpha", [nested, method] + [_function(f"a{i}", f"Compute the alpha value number {i}", body)
+                                                for i in range(30)] + [near_copy, same_query] + skipped)
     for name in ("beta", "gamma"):
         _package(root, name, [_function(f"{name}{i}", f"Order the {name} items number {i}", body[1:] * 2)
                               for i in range(30)])
@@ -325,8 +332,11 @@ def test_code_corpus_nested_functions_near_duplicates_and_failed_reruns(tmp_path
     assert counts["namespace_packages"] == ["nsp"] and counts["heldout_modules"] == 1
     rows = _read(out / "train.jsonl") + _read(out / "heldout.jsonl")
     names = [r["name"].rsplit(":", 1)[1] for r in rows]
-    assert "a_copy" not in names and "a_renamed" not in names and len(rows) == 2 + 30 + 60
+    assert not {"a_copy", "a_renamed", "a_markup", "a_stub"} & set(names) and len(rows) == 3 + 30 + 60
     by_name = {r["name"].rsplit(":", 1)[1]: r for r in rows}
+    # dedented by the def line's indentation although the string's lines start at column 0
+    assert by_name["render"]["positive"].startswith("def render(self, x):\n    text = ")
+    assert all(compile(r["positive"], r["name"], "exec") for r in rows)
     outer, inner = by_name["outer"], by_name["inner"]
     assert "Double every inner value" not in outer["positive"] and "def inner(y):" in outer["positive"]
     assert outer["positive"] not in inner["negatives"] and inner["positive"] not in outer["negatives"]
@@ -334,7 +344,7 @@ def test_code_corpus_nested_functions_near_duplicates_and_failed_reruns(tmp_path
     with pytest.raises(ValueError, match=r"the heldout split has 3\d functions: too few for 40 distinct negatives"):
         build_code_corpus(out, roots=[root], source="code", heldout_fraction=0.3, negatives=40, workers=1)
     for fraction, split in ((0.01, "heldout"), (0.99, "train")):
-        with pytest.raises(ValueError, match=f"the {split} split is empty: heldout_fraction {fraction} of 92"):
+        with pytest.raises(ValueError, match=f"the {split} split is empty: heldout_fraction {fraction} of 93"):
             build_code_corpus(out, roots=[root], source="code", heldout_fraction=fraction, workers=1)
     assert {name: (out / name).read_bytes() for name in before} == before
 

@@ -30,7 +30,6 @@ import os
 import re
 import sys
 import sysconfig
-import textwrap
 import time
 import tokenize
 import warnings
@@ -51,6 +50,10 @@ SKIP_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "tkinter", "turtle
 MIN_SUMMARY_WORDS = 4
 MIN_BODY_STATEMENTS = 2  # stdlib; the packages corpus takes one-statement bodies too (still >= MIN_BODY_CHARS)
 MIN_BODY_CHARS = 40
+# A first paragraph that is docstring markup, not a summary: a field list, a section header, a doctest (which
+# names the function), a numpydoc underline.
+MARKUP_SUMMARY = re.compile(r"^(?:[:@](?:param|type|arg|rtype|returns?|raises?)\b|(?:Args|Arguments|Parameters|Returns|"
+                            r"Yields|Raises|Examples?|Notes?)\s*[:\-]|>>>|\w+ -{3,})")
 
 
 def stdlib_dir() -> Path:
@@ -127,16 +130,27 @@ def _on_own_lines(blines: list[bytes], stmt: ast.stmt, next_lineno: int | None) 
                 or (next_lineno is not None and next_lineno <= stmt.end_lineno))
 
 
+def _is_stub(stmt: ast.stmt) -> bool:
+    """`pass`, `...` or `raise NotImplementedError...`: no implementation to retrieve."""
+    if isinstance(stmt, ast.Pass) or (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
+                                      and stmt.value.value is Ellipsis):
+        return True
+    if isinstance(stmt, ast.Raise) and stmt.exc is not None:
+        exc = stmt.exc.func if isinstance(stmt.exc, ast.Call) else stmt.exc
+        return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+    return False
+
+
 def _inner_docstrings(node: ast.AST, blines: list[bytes]) -> list[ast.Expr] | None:
-    """The docstrings of the functions and classes defined inside `node`, or None when one does not have its
-    lines to itself (then it cannot be cut out exactly)."""
+    """The docstrings of the functions and classes defined inside `node` that have a statement after it (a
+    docstring-only body stays: cutting it would leave no body, and such a def is no record), or None when one
+    does not have its lines to itself (then it cannot be cut out exactly)."""
     out = []
     for inner in ast.walk(node):
         doc = _docstring_statement(inner) if inner is not node else None
-        if doc is None:
+        if doc is None or len(inner.body) == 1:
             continue
-        following = inner.body[1].lineno if len(inner.body) > 1 else None
-        if doc.lineno <= inner.lineno or not _on_own_lines(blines, doc, following):
+        if doc.lineno <= inner.lineno or not _on_own_lines(blines, doc, inner.body[1].lineno):
             return None
         out.append(doc)
     return out
@@ -154,10 +168,10 @@ def _function_records(source: str, tree: ast.AST, module: str, relpath: str,
         if not doc:
             continue
         query = _summary(doc)
-        if len(query.split()) < MIN_SUMMARY_WORDS:
+        if len(query.split()) < MIN_SUMMARY_WORDS or MARKUP_SUMMARY.match(query):
             continue
         body = node.body[1:]
-        if len(body) < min_body_statements:
+        if len(body) < min_body_statements or all(map(_is_stub, body)):
             continue
         doc_stmt = node.body[0]
         # The docstring must sit on lines of its own (not `def f(): "doc"; ...`), so removing its lines is exact.
@@ -177,7 +191,11 @@ def _function_records(source: str, tree: ast.AST, module: str, relpath: str,
         seg_lines[-1] = _line_text(blines, node.end_lineno)[: node.end_col_offset].decode("utf-8")
         dropped = {line - node.lineno for d in docstrings for line in range(d.lineno, d.end_lineno + 1)}
         kept = [line for i, line in enumerate(seg_lines) if i not in dropped]
-        positive = textwrap.dedent("\n".join(kept)).strip("\n")
+        # Dedented by the def line's own indentation: textwrap.dedent keeps every line's indentation when a
+        # multi-line string in the body starts a line at column 0.
+        indent = blines[node.lineno - 1][: node.col_offset].decode("utf-8")
+        positive = "\n".join(line[len(indent):] if line.startswith(indent) else line.strip() and line
+                              for line in kept).strip("\n")
         body_text = "".join(line for i, line in enumerate(seg_lines)
                             if i >= body[0].lineno - node.lineno and i not in dropped)
         if len("".join(body_text.split())) < MIN_BODY_CHARS:
