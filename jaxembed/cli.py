@@ -275,8 +275,7 @@ def cmd_train(args) -> int:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **overrides))
     initialize_distributed(cfg)
     trainer = Trainer(cfg, show_progress=not args.quiet)
-    print(f"data: {trainer.report.summary()}; {trainer.steps_per_epoch} steps per epoch, {trainer.total_steps} steps",
-          file=sys.stderr)
+    print(f"data: {trainer.data_summary()}", file=sys.stderr)
     rows = trainer.run()
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     for r in evals:
@@ -468,7 +467,7 @@ def one_line(err: BaseException) -> str:
 
     first = (str(err).strip().splitlines() or [""])[0][:400]
     ours = (errors.ConfigError, errors.ConversionError, errors.DataError, errors.SpecError, errors.MissingDataError,
-            errors.TrainingDivergedError)
+            errors.TrainingDivergedError, errors.CheckpointError)
     if isinstance(err, ours):
         return str(err).strip()  # our messages may list several problems, one per line
     if isinstance(err, (ValueError, TypeError, FloatingPointError)):

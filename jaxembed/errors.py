@@ -29,6 +29,10 @@ class MissingDataError(RuntimeError):
     """An evaluation task's dataset is neither local nor reachable."""
 
 
+class CheckpointError(RuntimeError):
+    """A training checkpoint that is damaged or incomplete: its directory is named, and the one to fall back to."""
+
+
 class TrainingDivergedError(FloatingPointError):
     """A training step gave a non-finite loss or gradient norm: the run stops before saving it."""
 

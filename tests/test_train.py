@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 from pathlib import Path
 
 import jax
@@ -475,6 +476,90 @@ def test_full_parameter_training_lowers_the_loss():
     assert float(jnp.abs(merged["layers"]["z_proj"] - params["layers"]["z_proj"]).max()) > 0
 
 
+def test_config_values_out_of_range_are_named():
+    from jaxembed.train.config import config_from_dict
+
+    base = {"model": {"init": "configs/models/tiny-train-mamba2.yaml"}, "data": {"train": ["x.jsonl"]}}
+    for section, values, message in [
+        ("train", {"weight_decay": -0.1}, r"train.weight_decay must be >= 0, got -0.1"),
+        ("model", {"seed": -1}, r"train.seed and model.seed must be >= 0, got 0 and -1"),
+        ("eval", {"k": 0}, r"eval.k must be positive, got 0"),
+        ("eval", {"batch_size": 0}, r"eval.batch_size must be positive, got 0"),
+        ("eval", {"max_queries": 0}, r"eval.max_queries must be positive or null, got 0"),
+        ("eval", {"every": -1}, r"eval.every must be >= 0"),
+        ("data", {"instructions": {"code": 5}}, r"data.instructions maps source names to instruction strings; "
+                                                r"not strings: \{'code': 5\}"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            config_from_dict({**base, section: {**base.get(section, {}), **values}})
+
+
+def test_resume_refuses_another_base_schedule_or_a_damaged_checkpoint(tmp_path):
+    """A checkpoint is resumed only by the run that wrote it: another base model (model.seed), total step
+    count, learning rate or LoRA alpha is a ConfigError naming each difference (none needs a compiled step:
+    the checkpoints are saved from the initial state). A damaged latest checkpoint names its directory and
+    the one to fall back to. Up front: an `output` that is a file or the base model; instructions for a source
+    nobody has; a source smaller than the batch is a warning; a held-out row's blank negative drops nothing."""
+    import yaml
+
+    from jaxembed.errors import CheckpointError
+    from jaxembed.train.config import load_train_config
+    from jaxembed.train.trainer import Trainer
+
+    rows = [{"query": f"query {i} " * 3, "positive": f"the text of document {i} " * 4, "negatives": ["other " * 5]}
+            for i in range(16)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "h.jsonl").write_text("".join(json.dumps({**r, "negatives": ["  "]}) + "\n" for r in rows[:5]))
+    raw = {"model": {"init": str(ROOT / "configs/models/tiny-train-mamba2.yaml"), "tokenizer": "stdlib-bpe:256"},
+           "data": {"train": str(tmp_path / "d.jsonl"), "heldout": str(tmp_path / "h.jsonl"), "max_tokens": 64},
+           "lora": {"rank": 4}, "train": {"batch_size": 8, "max_steps": 4, "epochs": 10},
+           "checkpoint": {"directory": str(tmp_path / "ck"), "every": 1}}
+
+    def trainer(**changes):
+        config = {section: {**raw[section], **changes.get(section, {})} if isinstance(raw.get(section), dict)
+                  else changes.get(section, raw.get(section)) for section in {*raw, *changes}}
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+        return Trainer(load_train_config(tmp_path / "c.yaml"), show_progress=False)
+
+    first = trainer()
+    assert len(first.heldout) == 5 and "held-out: read 5 rows, kept 5" in first.data_summary()
+    for step in (1, 2):
+        first.save(step, force=True)
+    first.manager.wait_until_finished()
+    for changes, message in [
+        ({"model": {"seed": 5}}, "another base model"),
+        ({"train": {"max_steps": 3}}, r"total steps \(epochs / max_steps\)=4, this run has 3"),
+        ({"train": {"learning_rate": 1e-3}}, r"train.learning_rate=0.0004, this run has 0.001"),
+        ({"lora": {"rank": 4, "alpha": 8.0}}, r"lora.alpha=16.0, this run has 8.0"),
+    ]:
+        with pytest.raises(ConfigError, match=f"checkpoint 2 was written with {message}.*use the config it was "
+                                              "written with, or a new checkpoint directory"):
+            trainer(**changes).restore()
+    assert trainer().restore() == 2
+    for item in (tmp_path / "ck" / "2" / "state").iterdir():  # the arrays of the latest checkpoint lost
+        if item.is_dir():
+            shutil.rmtree(item)
+    with pytest.raises(CheckpointError, match=r"ck/2: checkpoint 2 is damaged or incomplete, its state could not be "
+                                              r"read .* resume from checkpoint 1"):
+        trainer().restore()
+    (tmp_path / "model.bin").write_text("x")
+    with pytest.raises(ConfigError, match="output: .*model.bin exists and is not a directory"):
+        trainer(output=str(tmp_path / "model.bin"))
+    cfg = load_train_config(tmp_path / "c.yaml")
+    model_dir = str(tmp_path / "base-model")
+    with pytest.raises(ConfigError, match="output: .*base-model is model.path; the export would replace the base"):
+        Trainer(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_dir, init=None),
+                                    output=model_dir + "/"), show_progress=False)
+    with pytest.raises(ConfigError, match="data.instructions: no training or held-out record has source smal; the "
+                                          "sources are d, h"):
+        trainer(data={"instructions": {"smal": "find it"}})
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    with pytest.warns(UserWarning, match=r"source 's' \(3 rows\) has fewer rows than train.batch_size=8 and is "
+                                         "never trained on"):
+        small = trainer(data={"train": [str(tmp_path / "d.jsonl"), str(tmp_path / "s.jsonl")]})
+    assert "3 kept rows left out of every epoch (each source's last partial batch: s 3)" in small.data_summary()
+
+
 def test_full_training_config():
     from jaxembed.train.config import config_from_dict
 
@@ -612,8 +697,10 @@ def test_a_diverging_run_stops_before_saving_the_step(tmp_path):
     with pytest.raises(TrainingDivergedError, match=r"diverged at step 2: the step's update made the parameters "
                                                     r"overflow .* checkpoint of step 1 holds finite parameters"):
         Trainer(cfg, show_progress=False).run()
-    logged = [json.loads(line) for line in cfg.log_path.read_text().splitlines()]
-    steps = [(r["step"], np.isfinite(r["loss"]), np.isfinite(r["param_norm"])) for r in logged if "loss" in r]
+    # strict JSON (no NaN / Infinity tokens): the diverged step's non-finite norm is null
+    logged = [json.loads(line, parse_constant=lambda token: pytest.fail(f"{token} in metrics.jsonl"))
+              for line in cfg.log_path.read_text().splitlines()]
+    steps = [(r["step"], r["loss"] is not None, r["param_norm"] is not None) for r in logged if "loss" in r]
     assert steps == [(1, True, True), (2, True, False)]
     resumed = Trainer(cfg, show_progress=False)
     assert resumed.manager.all_steps() == [1] and resumed.restore() == 1

@@ -157,6 +157,21 @@ class TrainConfig:
             raise ConfigError("data.negatives_per_query must be >= 0 and data.max_tokens >= 2")
         if self.checkpoint.every < 1 or self.checkpoint.keep < 1:
             raise ConfigError("checkpoint.every and checkpoint.keep must be positive")
+        if t.weight_decay < 0:
+            raise ConfigError(f"train.weight_decay must be >= 0, got {t.weight_decay}")
+        if t.seed < 0 or self.model.seed < 0:
+            raise ConfigError(f"train.seed and model.seed must be >= 0, got {t.seed} and {self.model.seed}")
+        e = self.eval
+        for name, value in (("eval.k", e.k), ("eval.batch_size", e.batch_size), ("eval.max_queries", e.max_queries)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be positive{' or null' if name == 'eval.max_queries' else ''}, "
+                                  f"got {value}")
+        if e.every < 0:
+            raise ConfigError(f"eval.every must be >= 0 (0: before the first and after the last step), got {e.every}")
+        bad = {source: text for source, text in self.data.instructions.items()
+               if not isinstance(source, str) or not isinstance(text, str)}
+        if bad:
+            raise ConfigError(f"data.instructions maps source names to instruction strings; not strings: {bad}")
 
     @property
     def token_cache_dir(self) -> Path:

@@ -86,8 +86,9 @@ def load_triples(
 
     Each dataset has the columns query, positive, negatives (exactly `negatives_per_query`, the first ones of
     the record), instruction and source, rows in file order (files in the order given) after dropping records
-    whose query, positive or any negative is empty after ``strip()`` and records with fewer than
-    `negatives_per_query` negatives. The dict is sorted by source name; sources left with no row are absent.
+    whose query, positive or any of the first `negatives_per_query` negatives is empty after ``strip()`` and
+    records with fewer than `negatives_per_query` negatives. The dict is sorted by source name; sources left
+    with no row are absent.
     """
     import datasets
 
@@ -101,7 +102,9 @@ def load_triples(
         for rec in _read_records(path):
             source = rec["source"]
             report.rows += 1
-            if not rec["query"].strip() or not rec["positive"].strip() or any(not n.strip() for n in rec["negatives"]):
+            # only the negatives used count: a blank one past the first k (or any, with k = 0) drops nothing
+            used = rec["negatives"][:k]
+            if not rec["query"].strip() or not rec["positive"].strip() or any(not n.strip() for n in used):
                 report.dropped_empty[source] = report.dropped_empty.get(source, 0) + 1
                 continue
             if len(rec["negatives"]) < k:

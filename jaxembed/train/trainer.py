@@ -33,7 +33,7 @@ from tqdm import tqdm
 from jaxembed import checkpoint, models
 from jaxembed.config import ConfigError, load_config
 from jaxembed.embedder import Embedder, bucket_length, load_tokenizer
-from jaxembed.errors import TrainingDivergedError
+from jaxembed.errors import CheckpointError, TrainingDivergedError
 from jaxembed.train import data as data_lib
 from jaxembed.train import lora as lora_lib
 from jaxembed.train import pipeline
@@ -63,23 +63,27 @@ def initialize_distributed(cfg: TrainConfig) -> None:
 
 
 def load_model(cfg: TrainConfig):
-    """(architecture config, params as stored, tokenizer, embedder settings) for the model section."""
+    """(architecture config, params as stored, tokenizer, embedder settings, the params' identity) for the
+    model section. The identity is `checkpoint.fingerprint`: a converted checkpoint's from its manifest,
+    otherwise hashed from the params (xxh3, seconds for a 7B model)."""
     m = cfg.model
-    settings = {}
+    settings, ident = {}, None
     if m.path is not None:
-        config, params, settings, directory, _ = checkpoint.open_model(m.path)
+        config, params, settings, directory, ident = checkpoint.open_model(m.path)
         tokenizer = _tokenizer(m.tokenizer, directory)
     else:
         config = load_config(m.init)
         params = init_params(config, m)
         tokenizer = _tokenizer(m.tokenizer, None)
+    if ident is None:
+        ident = checkpoint.fingerprint(config, checkpoint.tensor_checksums(params))
     if tokenizer is None:
         raise ConfigError("model.tokenizer: the model has no tokenizer; name one (a path, a hub id or 'stdlib-bpe:N')")
     if len(tokenizer) > config.vocab_size:
         raise ConfigError(
             f"model.tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {config.vocab_size}"
         )
-    return config, params, tokenizer, settings
+    return config, params, tokenizer, settings, ident
 
 
 def init_params(config, m):
@@ -129,15 +133,23 @@ class Trainer:
         self.shards = sh.batch_shards(self.mesh)
         t = cfg.train
         out = Path(cfg.output).expanduser() if cfg.output else None
+        if out is not None and out.exists() and not out.is_dir():
+            raise ConfigError(f"output: {out} exists and is not a directory; the export would be refused at the end "
+                              "of training (choose a new or empty directory)")
         if out is not None and out.is_dir() and any(out.iterdir()) and not checkpoint.is_converted(out):
             raise ConfigError(f"output: {out} is not empty and not a jaxembed checkpoint; the export would be refused "
                               "at the end of training (choose a new or empty directory)")
+        if out is not None and cfg.model.path and out.resolve() == Path(cfg.model.path).expanduser().resolve():
+            raise ConfigError(f"output: {out} is model.path; the export would replace the base model that this run's "
+                              "checkpoints are adapters of (choose another directory)")
         if t.batch_size % self.shards:
             raise ConfigError(f"train.batch_size={t.batch_size} is not a multiple of the {self.shards} batch shards "
                               f"(mesh data x fsdp)")
 
         # model: the stored params are kept on the host for the export's merge
-        self.config, self.stored_params, self.tokenizer, settings = load_model(cfg)
+        self.config, self.stored_params, self.tokenizer, settings, model_ident = load_model(cfg)
+        # what a checkpoint's state is only meaningful with: resuming under another base or schedule is refused
+        self.base_identity = f"{model_ident}:{cfg.model.dtype}:{cfg.quantization}"
         self.family = models.family(self.config)
         self.chunk_size = cfg.model.chunk_size or self.config.chunk_size
         self.eos = int(self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None
@@ -177,16 +189,27 @@ class Trainer:
                 f"train.batch_size={t.batch_size} is larger than every source's kept examples {self.sizes}"
             )
         self.leftover = data_lib.leftover(self.sizes, t.batch_size)
+        never = {name: n for name, n in self.sizes.items() if n < t.batch_size}
+        if never:  # a batch draws from one source
+            warnings.warn(f"data: {', '.join(f'source {name!r} ({n} rows)' for name, n in never.items())} has fewer "
+                          f"rows than train.batch_size={t.batch_size} and is never trained on", UserWarning,
+                          stacklevel=2)
         self.total_steps = t.epochs * self.steps_per_epoch
         if t.max_steps is not None:
             self.total_steps = min(self.total_steps, t.max_steps)
         self._plans = {}
         self.heldout = None
+        self.heldout_report = None
         if cfg.data.heldout:
-            heldout, _ = data_lib.load_triples(cfg.data.heldout, negatives_per_query=0)
+            heldout, self.heldout_report = data_lib.load_triples(cfg.data.heldout, negatives_per_query=0)
             self.heldout = [row for ds in heldout.values() for row in ds]
             if cfg.eval.max_queries is not None:
                 self.heldout = self.heldout[: cfg.eval.max_queries]
+        known = set(self.sources) | {row["source"] for row in self.heldout or []}
+        unknown = sorted(set(cfg.data.instructions) - known)
+        if unknown:
+            raise ConfigError(f"data.instructions: no training or held-out record has source {', '.join(unknown)}; "
+                              f"the sources are {', '.join(sorted(known))}")
 
         # optimizer and step
         self.optimizer, self.lr_schedule = make_optimizer(t.learning_rate, self.total_steps,
@@ -338,9 +361,14 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------
     def _data_position(self, step: int) -> dict:
+        t = self.cfg.train
         return {"step": step, "epoch": step // self.steps_per_epoch, "batch_in_epoch": step % self.steps_per_epoch,
-                "seed": self.cfg.train.seed, "batch_size": self.cfg.train.batch_size, "sizes": self.sizes,
-                "data": self.data_fingerprint, "truncated": self.truncated}
+                "seed": t.seed, "batch_size": t.batch_size, "sizes": self.sizes,
+                "data": self.data_fingerprint, "truncated": self.truncated, "base": self.base_identity,
+                "schedule": {"total_steps": self.total_steps, "learning_rate": t.learning_rate,
+                             "warmup_steps": t.warmup_steps, "weight_decay": t.weight_decay,
+                             "temperature": t.temperature, "lora_alpha": None if self.cfg.lora is None
+                             else self.cfg.lora.alpha}}
 
     def save(self, step: int, *, force: bool = False) -> None:
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(self.state),
@@ -353,20 +381,52 @@ class Trainer:
             return 0
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
                                 self.state_shardings)
+        position = self._restore_item(step, data=ocp.args.JsonRestore())["data"]
+        self._check_position(step, position)
         self._check_restorable(step, abstract)
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                                      data=ocp.args.JsonRestore()))
-        position = restored["data"]
-        expected = self._data_position(step)
-        for key in ("seed", "batch_size", "sizes", "data"):
-            if position.get(key) != expected[key]:
-                what = (f"{key}={position.get(key)}, this run has {expected[key]}" if key != "data" else
-                        "other training data or tokenization (texts, tokenizer, max_tokens, template, instructions)")
-                raise ConfigError(f"{self.cfg.checkpoint.directory}: checkpoint {step} was written with {what}; "
-                                  "use a new checkpoint directory")
-        self.state = restored["state"]
+        self.state = self._restore_item(step, state=ocp.args.StandardRestore(abstract))["state"]
         self.truncated = position["truncated"]
         return step
+
+    def _restore_item(self, step: int, **items):
+        """orbax's restore of some items of checkpoint `step`; a damaged checkpoint is a CheckpointError naming
+        its directory and the one before it, not orbax's or TensorStore's internals."""
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            earlier = [s for s in self.manager.all_steps() if s < step]
+            directory = Path(self.cfg.checkpoint.directory).expanduser() / str(step)
+            raise CheckpointError(
+                f"{directory}: checkpoint {step} is damaged or incomplete, its {' and '.join(items)} could not be "
+                f"read ({type(err).__name__}: {first}). "
+                + (f"Remove that directory to resume from checkpoint {max(earlier)}." if earlier else
+                   "There is no earlier checkpoint: remove it to start over.")) from None
+
+    def _check_position(self, step: int, position: dict) -> None:
+        """The checkpoint's data position and settings are this run's, or a ConfigError names each difference."""
+        expected = self._data_position(step)
+        differences = []
+        for key in ("seed", "batch_size", "sizes", "data", "base"):
+            if key in ("base",) and key not in position:
+                continue  # written before this was recorded
+            if position.get(key) != expected[key]:
+                differences.append({
+                    "data": "other training data or tokenization (texts, tokenizer, max_tokens, template, "
+                            "instructions)",
+                    "base": "another base model (model.path / init / seed / init_options, model.dtype or "
+                            "quantization)"}.get(key, f"{key}={position.get(key)}, this run has {expected[key]}"))
+        stored = position.get("schedule") or {}
+        differences += [f"train.{key}={stored[key]}, this run has {expected['schedule'][key]}"
+                        .replace("train.lora_alpha", "lora.alpha")
+                        .replace("train.total_steps", "total steps (epochs / max_steps)")
+                        for key in sorted(stored) if stored[key] != expected["schedule"].get(key)]
+        if differences:
+            raise ConfigError(
+                f"{self.cfg.checkpoint.directory}: checkpoint {step} was written with {'; '.join(differences)}. "
+                "Resuming would not continue that run (the learning-rate schedule, loss and batches depend on "
+                "these): use the config it was written with, or a new checkpoint directory (to train further, "
+                "start a new run from the exported model)")
 
     def _check_restorable(self, step: int, abstract) -> None:
         """The checkpoint's state has this run's leaves and shapes, or a ConfigError names the difference
@@ -442,8 +502,9 @@ class Trainer:
                      if latest is not None else "no checkpoint was written before it")
             raise TrainingDivergedError(
                 f"training diverged at step {row['step']}: {cause} ({values}; learning rate {row['lr']:.3g}). Its "
-                f"parameters are not saved; {saved}. Lower train.learning_rate, lengthen train.warmup_steps, or "
-                f"train in float32 (model.dtype) to see whether bf16 overflows")
+                f"parameters are not saved; {saved}. Lower train.learning_rate or lengthen train.warmup_steps"
+                + (", or train in float32 (model.dtype) to see whether bf16 overflows"
+                   if self.cfg.model.dtype == "bfloat16" else ""))
 
     def _rows(self, pending, window_start: float, input_wait_s: float) -> list[dict]:
         """Log rows of the steps in `pending` [(step, batch, device metrics, truncated so far)], their
@@ -462,48 +523,51 @@ class Trainer:
 
     def run(self) -> list[dict]:
         """Train to the end (resuming from the latest checkpoint); returns this call's log rows."""
-        start = self.restore()
-        log = _Log(self.cfg.log_path, keep_through=start) if jax.process_index() == 0 else None
-        board = (_TensorBoard(self.cfg.tensorboard, purge_step=start + 1)  # steps <= start are kept, as in the log
-                 if self.cfg.tensorboard and jax.process_index() == 0 else None)
+        log = board = pool = None
         rows = []
+        try:  # every error, from the restore on, still waits for orbax's background work (a clean exit)
+            start = self.restore()
+            log = _Log(self.cfg.log_path, keep_through=start) if jax.process_index() == 0 else None
+            # steps <= start are kept, as in the log
+            board = (_TensorBoard(self.cfg.tensorboard, purge_step=start + 1)
+                     if self.cfg.tensorboard and jax.process_index() == 0 else None)
 
-        def record(row):
-            rows.append(row)
-            if log:
-                log.write(row)
-            if board:
-                board.write(row)
+            def record(row):
+                rows.append(row)
+                if log:
+                    log.write(row)
+                if board:
+                    board.write(row)
 
-        if log and start == 0:
-            record({"event": "data", **self.report_dict()})
-        every = self.cfg.eval.every
-        if self.heldout and start == 0:
-            record({"step": 0, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
-        kill_after = int(os.environ.get(KILL_AFTER_STEP_ENV, "0") or 0)
-        bar = tqdm(total=self.total_steps, initial=start, desc="training", unit="step", disable=not self.show_progress)
-        # Input pipeline: texts were tokenized once (self.tokens); a thread gathers and pads step s+1's
-        # batch while the devices run step s, and the (asynchronous) device put follows in this thread.
-        # The wait for the host batch is the input-wait share. Metrics come back every
-        # train.log_every steps, not once per step. Batches are still a pure function of the step, so
-        # resuming stays exact.
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxembed-batches")
-        upcoming = pool.submit(self.batch, start) if start < self.total_steps else None
-        pending, window_start, waited = [], time.perf_counter(), 0.0
-
-        def flush():
-            nonlocal pending, window_start, waited
-            if pending:
-                flushed = self._rows(pending, window_start, waited)
-                for row in flushed:
-                    record(row)
-                self._check_finite(flushed)  # logged first, so metrics.jsonl shows the step that diverged
-                last = rows[-1]
-                bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}", tok_s=f"{last['tokens_per_s']:.0f}",
-                                wait=f"{last['input_wait_share']:.0%}")
+            if log and start == 0:
+                record({"event": "data", **self.report_dict()})
+            every = self.cfg.eval.every
+            if self.heldout and start == 0:
+                record({"step": 0, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
+            kill_after = int(os.environ.get(KILL_AFTER_STEP_ENV, "0") or 0)
+            bar = tqdm(total=self.total_steps, initial=start, desc="training", unit="step",
+                       disable=not self.show_progress)
+            # Input pipeline: texts were tokenized once (self.tokens); a thread gathers and pads step s+1's
+            # batch while the devices run step s, and the (asynchronous) device put follows in this thread.
+            # The wait for the host batch is the input-wait share. Metrics come back every
+            # train.log_every steps, not once per step. Batches are still a pure function of the step, so
+            # resuming stays exact.
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxembed-batches")
+            upcoming = pool.submit(self.batch, start) if start < self.total_steps else None
             pending, window_start, waited = [], time.perf_counter(), 0.0
 
-        try:
+            def flush():
+                nonlocal pending, window_start, waited
+                if pending:
+                    flushed = self._rows(pending, window_start, waited)
+                    for row in flushed:
+                        record(row)
+                    self._check_finite(flushed)  # logged first, so metrics.jsonl shows the step that diverged
+                    last = rows[-1]
+                    bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}",
+                                    tok_s=f"{last['tokens_per_s']:.0f}", wait=f"{last['input_wait_share']:.0%}")
+                pending, window_start, waited = [], time.perf_counter(), 0.0
+
             for step in range(start, self.total_steps):
                 tick = time.perf_counter()
                 batch = upcoming.result()
@@ -526,13 +590,28 @@ class Trainer:
                     os.kill(os.getpid(), signal.SIGKILL)
             flush()
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
             if board:
                 board.close()
             # also when a step fails: the last good checkpoint's background commit must complete
             self.manager.wait_until_finished()
         bar.close()
         return rows
+
+    def data_summary(self) -> str:
+        """One line: what was read and kept, what every epoch leaves out, the held-out set, the steps."""
+        parts = [self.report.summary()]
+        left = sum(self.leftover.values())
+        if left:
+            parts.append(f"{left} kept rows left out of every epoch (each source's last partial batch: "
+                         + ", ".join(f"{name} {n}" for name, n in self.leftover.items() if n) + ")")
+        if self.heldout_report is not None:
+            parts.append(f"held-out: {self.heldout_report.summary()}"
+                         + (f", the first {len(self.heldout)} evaluated (eval.max_queries)"
+                            if len(self.heldout) < self.heldout_report.kept else ""))
+        parts.append(f"{self.steps_per_epoch} steps per epoch, {self.total_steps} steps")
+        return "; ".join(parts)
 
     def report_dict(self) -> dict:
         r = self.report
@@ -639,8 +718,10 @@ class _Log:
             path.write_text("")
 
     def write(self, row: dict) -> None:
+        # strict JSON: a diverged step's NaN / inf metrics are written as null
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, allow_nan=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
