@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 
 import jax
@@ -25,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxembed import models
-from jaxembed.errors import check_bool, check_positive_int
+from jaxembed.errors import TruncationWarning, check_bool, check_positive_int, warn_every_time
 from jaxembed.kernels import check_backend
 from jaxembed.quantize import check_output_options, quantize_embeddings, truncate_embeddings
 from jaxembed.schedule import check_chunk_sizes, embed
@@ -39,6 +38,7 @@ from jaxembed.text import (  # noqa: F401  (re-exported: the embedder's public n
     check_texts,
     check_token_ids,
     load_tokenizer,
+    lone_surrogate,
     make_batches,
     text_ids,
     tokenize_texts,
@@ -136,8 +136,8 @@ class Embedder:
         check_positive_int("max_length", max_length, optional=True)
         out, truncated = tokenize_texts(self.tokenizer, texts, self.eos_token_id, max_length)
         if truncated:
-            warnings.warn(f"max_length={max_length}: truncated {truncated} of {len(out)} texts (counted in "
-                          f"last_stats['truncated'])", stacklevel=3)
+            warn_every_time(f"max_length={max_length}: truncated {truncated} of {len(out)} texts (counted in "
+                            f"last_stats['truncated'])", TruncationWarning, stacklevel=3)
         return out, truncated
 
     def encode(
@@ -199,6 +199,8 @@ class Embedder:
         instruction = instruction if instruction is not None else self.default_instruction
         if instruction is not None and not isinstance(instruction, str):
             raise TypeError(f"instruction must be a string, got {type(instruction).__name__} ({instruction!r:.40})")
+        if instruction is not None and lone_surrogate(instruction):
+            raise ValueError(f"instruction {lone_surrogate(instruction)}")
         return "" if instruction is None else self.query_template.format(prompt=instruction)
 
     def encode_query(self, texts, instruction: str | None = None, **kwargs) -> np.ndarray:

@@ -5,6 +5,8 @@ them as one line."""
 from __future__ import annotations
 
 import numbers
+import sys
+import warnings
 
 import numpy as np
 
@@ -35,6 +37,18 @@ class CheckpointError(RuntimeError):
 
 class TrainingDivergedError(FloatingPointError):
     """A training step gave a non-finite loss or gradient norm: the run stops before saving it."""
+
+
+class TruncationWarning(UserWarning):
+    """Texts were cut to max_length; raised with `warn_every_time`."""
+
+
+def warn_every_time(message: str, category: type[Warning], stacklevel: int = 1) -> None:
+    """`warnings.warn`, every time: Python's default action shows a message once per call site, so a loop of
+    encode calls would report only its first cut. The filters still apply ("ignore", "error", "once")."""
+    frame = sys._getframe(stacklevel)
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"), registry=None, module_globals=frame.f_globals)
 
 
 def check_positive_int(name: str, value, *, optional: bool = False, error: type[Exception] = ValueError) -> None:

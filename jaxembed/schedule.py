@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 
 from jaxembed import models
-from jaxembed.errors import check_positive_int
+from jaxembed.errors import check_bool, check_positive_int
 from jaxembed.ops.common import StateSlot
 from jaxembed.runtime import Runtime
 
@@ -186,14 +186,16 @@ def _checked_ids(config, ids, vertical_chunk_size, runtime: Runtime):
     shape, dtype and (when concrete) range. Returns ids as a jax array."""
     check_chunk_sizes(vertical_chunk_size, runtime.chunk_size)
     _check_vertical(config, vertical_chunk_size)
+    concrete = _concrete("ids", ids)
     ids = jnp.asarray(ids)
     if ids.ndim != 2:
         raise ValueError(f"ids must be [batch, time], got shape {ids.shape}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"ids must be integers, got {ids.dtype}")
-    try:
-        concrete = np.asarray(ids)
-    except jax.errors.TracerArrayConversionError:
+    if 0 in ids.shape:
+        raise ValueError(f"ids of shape {ids.shape}: embed needs at least one row and one position "
+                         "(Embedder.encode_ids([]) gives an empty [0, d])")
+    if concrete is None:
         return ids  # traced under jit: in range is the caller's promise (`Embedder` always checks)
     bad = (concrete < 0) | (concrete >= config.vocab_size)
     if bad.any():
@@ -201,6 +203,17 @@ def _checked_ids(config, ids, vertical_chunk_size, runtime: Runtime):
         raise ValueError(f"ids must be in [0, {config.vocab_size}) (the vocabulary size); ids[{row}, {col}] = "
                          f"{int(concrete[row, col])} ({int(bad.sum())} out of range)")
     return ids
+
+
+def _concrete(name: str, value) -> np.ndarray | None:
+    """The values as given, for range checks: before jnp.asarray, which makes int64 int32 (2**32 + 5 would be
+    checked, and embedded, as 5). None when traced under jit."""
+    if isinstance(value, jax.core.Tracer):
+        return None
+    try:
+        return np.asarray(value)
+    except ValueError as err:  # ragged nested lists
+        raise ValueError(f"{name} must be a rectangular array: {err}") from None
 
 
 def forward(params, config, ids, *, vertical_chunk_size: int | None = None, chunk_size: int | None = None,
@@ -239,15 +252,12 @@ def _forward(params, config, ids, vertical_chunk_size, runtime: Runtime):
 
 def _pooling_positions(lengths, b: int, t: int):
     """lengths - 1 as int32 [b]; checked when the lengths are concrete (not traced under jit)."""
+    concrete = _concrete("lengths", lengths)  # None when traced: the caller promises 1 <= lengths <= t
     lengths = jnp.asarray(lengths)
     if not jnp.issubdtype(lengths.dtype, jnp.integer):  # a float would pool at its truncation, silently
         raise TypeError(f"lengths must be ints, got dtype {lengths.dtype}")
     if lengths.shape != (b,):
         raise ValueError(f"lengths must have shape ({b},) for ids of shape ({b}, {t}), got {lengths.shape}")
-    try:
-        concrete = np.asarray(lengths)
-    except jax.errors.TracerArrayConversionError:
-        concrete = None  # traced: the caller promises 1 <= lengths <= t; the clip keeps pooling in range
     if concrete is not None and ((concrete < 1) | (concrete > t)).any():
         raise ValueError(f"lengths must be in [1, {t}] (the pooled position is lengths-1), got {concrete.tolist()}")
     return jnp.clip(lengths.astype(jnp.int32) - 1, 0, t - 1)
@@ -275,6 +285,7 @@ def embed(params, config, ids, lengths, *, vertical_chunk_size: int | None = Non
     Returns:
       [b, d] float32.
     """
+    check_bool("normalize", normalize)
     return _embed(params, config, ids, lengths, vertical_chunk_size, normalize,
                   _runtime(config, chunk_size, kernels, remat))
 

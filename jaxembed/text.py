@@ -5,6 +5,7 @@ the number of compiled programs both bounded). Nothing here knows about models.
 
 from __future__ import annotations
 
+import re
 import string
 from collections.abc import Mapping
 from pathlib import Path
@@ -95,7 +96,12 @@ def tokenizer_identity(tokenizer) -> str:
 def text_ids(tokenizer, text, *, add_special_tokens: bool, **kwargs):
     """The tokenizer's encoding of user text, with special-token strings in it read as text
     (`split_special_tokens`): "</s>" in a page of HTML is Mistral's EOS string, and parsed as the token
-    it would end the embedded sequence early, or take the place of the EOS that `tokenize_texts` appends."""
+    it would end the embedded sequence early, or take the place of the EOS that `tokenize_texts` appends.
+    A text with a lone surrogate is a ValueError saying so (the tokenizer's own error names neither)."""
+    for i, one in enumerate([text] if isinstance(text, str) else text):
+        problem = lone_surrogate(one) if isinstance(one, str) else None
+        if problem:
+            raise ValueError(f"text {i} {problem}" if not isinstance(text, str) else f"the text {problem}")
     if type(tokenizer).__name__.startswith("MistralCommon"):  # mistral-common never reads them from text, and
         return tokenizer(text, add_special_tokens=add_special_tokens, **kwargs)  # refuses the option
     return tokenizer(text, add_special_tokens=add_special_tokens, split_special_tokens=True, **kwargs)
@@ -156,6 +162,17 @@ def batch_shapes(max_length: int, batch_size: int, budget: int | None, chunk_siz
     return shapes
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a str holds them only unpaired (JSON escapes, surrogateescape)
+
+
+def lone_surrogate(text: str) -> str | None:
+    """Why `text` is not text, or None: a lone UTF-16 surrogate (e.g. JSON's "\\ud800"), which no tokenizer
+    or UTF-8 encoder takes."""
+    found = _LONE_SURROGATE.search(text)
+    return None if found is None else (f"holds a lone surrogate (U+{ord(found[0]):04X} at character "
+                                       f"{found.start()}), which is not text")
+
+
 def check_texts(texts) -> list[str]:
     if isinstance(texts, (bytes, bytearray, Mapping)) or not hasattr(texts, "__iter__"):  # a dict would give its keys
         raise TypeError(f"texts must be a string or a sequence of strings, got {type(texts).__name__}")
@@ -163,6 +180,9 @@ def check_texts(texts) -> list[str]:
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             raise TypeError(f"texts[{i}] is {type(t).__name__} ({t!r:.40}), not a string")
+        problem = lone_surrogate(t)
+        if problem:
+            raise ValueError(f"texts[{i}] {problem}")
     return texts
 
 

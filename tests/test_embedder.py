@@ -103,6 +103,10 @@ def test_max_length_truncates_with_a_count(embedder, tokenizer):
     ids = tokenizer(TEXTS[2])["input_ids"][:9] + [tokenizer.eos_token_id]
     ref = hf_last_hidden(model, [ids])[0]
     assert rel_err(out[0], ref / np.linalg.norm(ref)) < TOLERANCE["float32"]
+    with warnings.catch_warnings(record=True) as caught:  # every call's cut is reported, not only the first's
+        for _ in range(2):
+            emb.encode([TEXTS[2]], max_length=10)
+    assert [str(w.message).split(" (")[0] for w in caught] == ["max_length=10: truncated 1 of 1 texts"] * 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         emb.encode(["short"])  # no truncation, no warning, by default
@@ -160,6 +164,9 @@ def test_embed_is_pure_and_composable(embedder):
     (lambda e: e.encode({"hello": 0}), TypeError, "texts must be a string or a sequence of strings, got dict"),
     (lambda e: e.encode_ids([[True, 2]]), TypeError, r"ids\[0\] holds booleans"),
     (lambda e: e.encode_query(["a"], instruction=5), TypeError, "instruction must be a string, got int"),
+    (lambda e: e.encode(["ok", "a\ud800b"]), ValueError, r"texts\[1\] holds a lone surrogate \(U\+D800 at char"),
+    (lambda e: e.encode_query(["a"], instruction="x\udfff"), ValueError, "instruction holds a lone surrogate"),
+    (lambda e: e.encode_stream(["ok ", "a\ud800 b"]), ValueError, "holds a lone surrogate"),
     (lambda e: jaxembed.embed(e.params, e.config, jnp.zeros((2, 8), jnp.int32), np.array([3.7, 8.0])), TypeError,
      "lengths must be ints, got dtype float"),
 ])

@@ -29,6 +29,25 @@ def test_concrete_ids_out_of_range_are_refused(bad):
     assert np.isfinite(np.asarray(schedule.embed(params, CFG, ids, np.array([7, 7])))).all()
 
 
+def test_int64_ids_and_lengths_are_checked_before_the_int32_cast():
+    """jnp.asarray makes int64 int32: 2**32 + 5 would be checked, and embedded, as id 5, and a length of
+    2**32 + 3 pool at position 2. The values as given are checked; empty batches and a non-bool normalize
+    are named too."""
+    params = models.family(CFG).init_params(CFG, jax.random.key(0))
+    ids = np.ones((1, 7), np.int64)
+    with pytest.raises(ValueError, match=r"lengths must be in \[1, 7\] .* got \[4294967299\]"):
+        schedule.embed(params, CFG, ids, np.array([2**32 + 3]))
+    ids[0, 2] = 2**32 + 5
+    with pytest.raises(ValueError, match=r"ids\[0, 2\] = 4294967301"):
+        schedule.embed(params, CFG, ids, np.array([7]))
+    with pytest.raises(ValueError, match=r"ids of shape \(0, 4\): embed needs at least one row"):
+        schedule.embed(params, CFG, np.zeros((0, 4), np.int32), np.zeros(0, np.int32))
+    with pytest.raises(ValueError, match="ids must be a rectangular array"):
+        schedule.embed(params, CFG, [[1, 2, 3], [4]], [3, 1])
+    with pytest.raises(TypeError, match="normalize must be True or False, got str 'no'"):
+        schedule.embed(params, CFG, np.ones((1, 7), np.int32), np.array([7]), normalize="no")
+
+
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
 def test_vertical_program_holds_one_copy_of_the_layer_states(family):
     """The paper's constant memory is one state per layer: each layer more costs the vertical program

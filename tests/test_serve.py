@@ -196,6 +196,9 @@ def test_bad_requests_get_4xx_naming_the_problem(embedder):
         ({"input": "a", "input_type": "passage"}, 400, "'input_type' must be", "input_type"),
         ({"input": "a", "model": "gpt"}, 404, "model 'gpt' is not served here", "model"),
         ({"input": "a" * 3000}, 413, "limit of 2000", None),
+        (b'{"input": ["ok", "a\\ud800b"]}', 400, "input[1] holds a lone surrogate (U+D800 at character 1)", "input"),
+        (b'{"input": "a", "input_type": "query", "instruction": "x\\udfff"}', 400,
+         "'instruction' holds a lone surrogate", "instruction"),
     ]
 
     async def run(c):
@@ -205,9 +208,11 @@ def test_bad_requests_get_4xx_naming_the_problem(embedder):
             bad = await c.post("/v1/embeddings", headers={"content-type": "application/json"}, **kwargs)
             good = await c.post("/v1/embeddings", json={"input": TEXTS[0], "model": "tiny"})
             out.append((bad, good))
-        return out, await c.get("/v1/embeddings"), (await c.get("/metrics")).text
+        flat = await c.post("/v1/embeddings", json={"input": [1, 2, 3, 4, 5]})  # one input of 5 ids: not 5 inputs
+        return out, await c.get("/v1/embeddings"), (await c.get("/metrics")).text, flat
 
-    results, wrong_method, text = serve(app, run)
+    results, wrong_method, text, flat = serve(app, run)
+    assert flat.status_code == 200 and len(rows(flat)) == 1, flat.text
     expected = embedder.encode(TEXTS[0])
     for (body, status, message, param), (bad, good) in zip(cases, results, strict=True):
         assert bad.status_code == status, (body, bad.text)
@@ -219,7 +224,7 @@ def test_bad_requests_get_4xx_naming_the_problem(embedder):
     m = metric_values(text)
     by_status = {dict(k[1])["status"]: v for k, v in m.items()
                  if k[0] == "jaxembed_requests_total" and dict(k[1])["endpoint"] == "embeddings"}
-    assert by_status == {"200": len(cases), "400": 19, "404": 1, "413": 3}
+    assert by_status == {"200": len(cases) + 1, "400": 21, "404": 1, "413": 3}
 
 
 def test_queue_full_then_timeout(embedder):

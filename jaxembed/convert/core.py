@@ -151,7 +151,7 @@ def convert_tensors(
         for i in range(n_layers) if rule.stacked else [None]:
             key = rule.key.format(i=i)
             if key not in names:
-                if not rule.optional:
+                if not rule.optional and key not in missing:  # two rules may read one key (a split tensor)
                     missing.append(key)
                 continue
             raw = names[key]

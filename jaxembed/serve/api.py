@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxembed.text import lone_surrogate
+
 FIELDS = ("input", "model", "encoding_format", "dimensions", "user", "input_type", "instruction")
 ENCODING_FORMATS = ("float", "base64")
 INPUT_TYPES = ("query", "document")
@@ -129,6 +131,8 @@ def parse_request(body: bytes, *, embedding_dim: int, vocab_size: int, max_input
         if input_type != "query":
             raise RequestError(400, "'instruction' applies to queries only: set 'input_type' to 'query' (documents "
                                     "are embedded without one)", param="instruction")
+        if lone_surrogate(instruction):
+            raise RequestError(400, f"'instruction' {lone_surrogate(instruction)}", param="instruction")
     if input_type == "query" and ids is not None:
         raise RequestError(400, "'input_type' 'query' puts the query prompt before text; token ids are used as "
                                 "given (include the prompt's ids yourself, or send text)", param="input_type")
@@ -143,18 +147,19 @@ def _parse_input(value, vocab_size: int, max_inputs: int):
     if isinstance(value, str):
         if not value:
             raise RequestError(400, "'input' is an empty string", param="input")
+        _check_text(value, "input")
         return [value], None
     if not isinstance(value, list):
         raise RequestError(400, f"'input' must be a string, a list of strings, a list of token ids or a list of "
                                 f"lists of token ids, got {_json_type(value)}", param="input")
     if not value:
         raise RequestError(400, "'input' is an empty list", param="input")
+    first = value[0]
+    if _is_int(first):  # one sequence of token ids: one input, its length limited by max_input_tokens
+        return None, [_token_ids(value, "input", vocab_size)]
     if len(value) > max_inputs:
         raise RequestError(400, f"'input' has {len(value)} items, more than this server's limit of {max_inputs} "
                                 f"per request", param="input")
-    first = value[0]
-    if _is_int(first):  # one sequence of token ids
-        return None, [_token_ids(value, "input", vocab_size)]
     if isinstance(first, str):
         for i, text in enumerate(value):
             if not isinstance(text, str):
@@ -162,6 +167,7 @@ def _parse_input(value, vocab_size: int, max_inputs: int):
                                         f"so every item must be one)", param="input")
             if not text:
                 raise RequestError(400, f"input[{i}] is an empty string", param="input")
+            _check_text(text, f"input[{i}]")
         return list(value), None
     if isinstance(first, list):
         ids = []
@@ -173,6 +179,12 @@ def _parse_input(value, vocab_size: int, max_inputs: int):
         return None, ids
     raise RequestError(400, f"input[0] is {_json_type(first)}: 'input' must be a string, a list of strings, a list "
                             f"of token ids or a list of lists of token ids", param="input")
+
+
+def _check_text(text: str, name: str) -> None:
+    problem = lone_surrogate(text)
+    if problem:
+        raise RequestError(400, f"{name} {problem}", param="input")
 
 
 def _token_ids(seq: list, name: str, vocab_size: int) -> list[int]:

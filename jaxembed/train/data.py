@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import tempfile
 import zlib
 from collections.abc import Iterator, Sequence
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxembed.errors import DataError, check_positive_int
+from jaxembed.text import lone_surrogate
 
 if TYPE_CHECKING:  # `datasets` is imported lazily: plan_batches and the report do not need it
     import datasets
@@ -41,7 +41,6 @@ ALLOWED_SUFFIXES = JSON_SUFFIXES + PARQUET_SUFFIXES
 COLUMNS = ("query", "positive", "negatives", "instruction", "source")
 _REQUIRED = ("query", "positive")  # negatives may be left out: none (in-batch negatives only, or `jaxembed mine`)
 _OPTIONAL = ("instruction", "source")
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # only unpaired ones survive json.loads as such
 _PLAN_ORDER_TAG = 0x6F726472  # "ordr": keeps the batch-order stream apart from every per-source stream
 
 
@@ -297,10 +296,9 @@ def _validate(row, path: Path, where: str) -> dict[str, Any]:
     for name, text in [("query", row["query"]), ("positive", row["positive"]),
                        *((f"negatives[{i}]", n) for i, n in enumerate(negs)),
                        *((c, row[c]) for c in _OPTIONAL if row.get(c) is not None)]:
-        surrogate = _LONE_SURROGATE.search(text)
-        if surrogate:  # a JSON escape such as "\udc00": not text, and no tokenizer or UTF-8 writer takes it
-            raise DataError(f"{path}: {where}: field {name!r} holds a lone surrogate (U+{ord(surrogate[0]):04X} at "
-                            f"character {surrogate.start()}), which is not text")
+        problem = lone_surrogate(text)
+        if problem:
+            raise DataError(f"{path}: {where}: field {name!r} {problem}")
     return {"query": row["query"], "positive": row["positive"], "negatives": list(negs),
             "instruction": row.get("instruction") or "", "source": row.get("source") or path.stem}
 
