@@ -138,7 +138,7 @@ def quadratic(q, k, v, i, f, *, initial_state=None, eps=EPS):
     log_d = _segsum(logf) + ig[..., None, :]  # [b, h, t, s]
     b_cum = jnp.cumsum(logf, axis=-1)  # [b, h, t]: log decay of the initial state through t
     log_inter = b_cum + m0[..., None]
-    m = jnp.maximum(log_inter, jnp.max(jnp.where(causal, log_d, -jnp.inf), axis=-1))  # [b, h, t]
+    m = jnp.maximum(log_inter, row_max(jnp.where(causal, log_d, -jnp.inf)))  # [b, h, t]
     # exponents are <= 0 on and below the diagonal; the clamp keeps the masked ones finite
     D = jnp.where(causal, jnp.exp(jnp.minimum(log_d - m[..., None], 0.0)), 0.0)
     w = jnp.exp(log_inter - m)  # [b, h, t]
@@ -153,6 +153,14 @@ def quadratic(q, k, v, i, f, *, initial_state=None, eps=EPS):
     C = w_T[..., None, None] * C0 + jnp.einsum("bhs,bshk,bshv->bhkv", d_T, kf, vf)
     n = w_T[..., None] * n0 + jnp.einsum("bhs,bshk->bhk", d_T, kf)
     return h.astype(v.dtype), State(C, n, m_T)
+
+
+def row_max(x):
+    """max over the last axis, its gradient sent to the first argmax. jnp.max's gradient finds the max by
+    x == max(x) and divides by the count; a stabiliser recomputed under remat can differ from its first
+    evaluation in the last bit (XLA:CPU fuses one of them with an FMA at --xla_backend_optimization_level=0),
+    leaving a row with no match: 0 / 0, NaN gradients. A gather at the argmax has no equality to miss."""
+    return jnp.take_along_axis(x, jnp.argmax(x, axis=-1)[..., None], axis=-1)[..., 0]
 
 
 # ---- chunked form -----------------------------------------------------------------------
@@ -170,7 +178,7 @@ def chunk_local_states(k, v, ig, b_cum):
     weight is <= 1. Returns (C_loc [b,c,h,k,v], n_loc [b,c,h,k], m_loc [b,c,h]).
     """
     a = b_cum[..., -1:] - b_cum + ig  # [b,c,h,s]
-    m_loc = jnp.max(a, axis=-1)
+    m_loc = row_max(a)
     kw = k * jnp.exp(a - m_loc[..., None])[..., None]  # [b,c,h,s,k]
     return bmm(jnp.swapaxes(kw, -1, -2), v), jnp.sum(kw, axis=-2), m_loc
 
@@ -215,7 +223,7 @@ def chunk_output(q, k, v, ig, b_cum, entering: State, eps):
     # differences of in-chunk cumulative sums: accurate to eps * |chunk's total log decay|
     log_d = b_cum[..., :, None] - b_cum[..., None, :] + ig[..., None, :]  # [b,c,h,l,s]
     log_inter = b_cum + entering.m[..., None]  # [b,c,h,l]
-    m = jnp.maximum(log_inter, jnp.max(jnp.where(causal, log_d, -jnp.inf), axis=-1))
+    m = jnp.maximum(log_inter, row_max(jnp.where(causal, log_d, -jnp.inf)))
     # above the diagonal log_d - m can be large and positive: clamp before exp, then mask
     D = jnp.where(causal, jnp.exp(jnp.minimum(log_d - m[..., None], 0.0)), 0.0)
     SD = bmm(q, jnp.swapaxes(k, -1, -2)) * D  # [b,c,h,l,s]
