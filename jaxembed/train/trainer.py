@@ -64,8 +64,9 @@ def initialize_distributed(cfg: TrainConfig) -> None:
 
 def load_model(cfg: TrainConfig):
     """(architecture config, params as stored, tokenizer, embedder settings, the params' identity) for the
-    model section. The identity is `checkpoint.fingerprint`: a converted checkpoint's from its manifest,
-    otherwise hashed from the params (xxh3, seconds for a 7B model)."""
+    model section. The identity: a converted checkpoint's `checkpoint.fingerprint` (from its manifest), a
+    Hugging Face checkpoint's hashed from its tensors (xxh3, seconds for a 7B model), random weights' from
+    what draws them (config, seed, init_options), not from device arrays copied to the host."""
     m = cfg.model
     settings, ident = {}, None
     if m.path is not None:
@@ -75,6 +76,8 @@ def load_model(cfg: TrainConfig):
         config = load_config(m.init)
         params = init_params(config, m)
         tokenizer = _tokenizer(m.tokenizer, None)
+        ident = checkpoint.fingerprint(config, {"seed": str(m.seed), "init_options": json.dumps(
+            m.init_options, sort_keys=True, default=str)})
     if ident is None:
         ident = checkpoint.fingerprint(config, checkpoint.tensor_checksums(params))
     if tokenizer is None:
