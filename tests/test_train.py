@@ -560,6 +560,15 @@ def test_resume_refuses_another_base_schedule_or_a_damaged_checkpoint(tmp_path):
     assert "3 kept rows left out of every epoch (each source's last partial batch: s 3)" in small.data_summary()
 
 
+def test_device_peaks_take_the_most_specific_name():
+    from jaxembed.train.sharding import device_peak_flops
+
+    assert device_peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and device_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert device_peak_flops("NVIDIA H100 NVL") == 835e12 and device_peak_flops("NVIDIA GH200 480GB") == 989e12
+    assert device_peak_flops("NVIDIA L40S") == 362e12 and device_peak_flops("NVIDIA L4") == 121e12
+    assert device_peak_flops("cpu") is None
+
+
 def test_full_training_config():
     from jaxembed.train.config import config_from_dict
 

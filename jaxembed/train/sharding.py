@@ -118,11 +118,19 @@ def device_memory_bytes(mesh: Mesh) -> int:
 
 
 # Dense bfloat16 matmul peaks per device (datasheets, FLOP/s), by device kind: for model FLOP utilisation.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
+# dense bf16 tensor-core peaks per device (NVIDIA's datasheets, without sparsity), matched in device_kind
+# longest name first: "NVIDIA H100 PCIe" is the PCIe card, "NVIDIA H100 80GB HBM3" the SXM one
+PEAK_BF16_FLOPS = {"H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "GH200": 989e12,
+                   "A100": 312e12, "L40S": 362e12, "L4": 121e12}
 
 
 def peak_flops(mesh: Mesh) -> float | None:
     """The mesh's bfloat16 peak (all devices), or None for devices not in PEAK_BF16_FLOPS (CPUs)."""
-    kind = mesh.devices.flat[0].device_kind
-    per_device = next((v for k, v in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])) if k in kind), None)
+    per_device = device_peak_flops(mesh.devices.flat[0].device_kind)
     return None if per_device is None else per_device * mesh.devices.size
+
+
+def device_peak_flops(device_kind: str) -> float | None:
+    """One device's dense bf16 peak from its device_kind, or None when unknown."""
+    return next((v for k, v in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])) if k in device_kind),
+                None)
