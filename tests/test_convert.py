@@ -1,6 +1,7 @@
 """`jaxembed convert`: round trip, --verify, dtype, and the errors a broken checkpoint gets."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -80,6 +81,31 @@ def test_a_tensor_in_two_weight_files_is_refused(broken_dir):
     shutil.copy(broken_dir / "model.safetensors", broken_dir / "model_old.safetensors")
     with pytest.raises(ConversionError, match=r"tensor '.*' is in both model.safetensors and model_old.safetensors"):
         read_checkpoint(broken_dir)
+
+
+def test_a_single_file_beside_a_stale_index_is_what_transformers_reads(broken_dir, tmp_path):
+    """save_pretrained single-file, then sharded, into one folder leaves both layouts; transformers reads
+    model.safetensors, and so does the converter (not the index's shards, another model's weights)."""
+    from transformers import Mamba2Model
+
+    other = tmp_path / "other"
+    make_hf_mamba2(seed=4, n_groups=2).save_pretrained(other, max_shard_size="20KB")
+    for f in other.glob("model-*.safetensors"):
+        shutil.copy(f, broken_dir / f.name)
+    shutil.copy(other / "model.safetensors.index.json", broken_dir)
+    expected = Mamba2Model.from_pretrained(broken_dir).state_dict()["layers.0.mixer.A_log"].numpy()
+    got = read_checkpoint(broken_dir).params["layers"]["A_log"][0]
+    np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def test_convert_never_replaces_a_directory_holding_its_source(hf_model_dir, tmp_path, capsys):
+    src, _ = hf_model_dir
+    out = tmp_path / "jx"
+    assert main(["convert", str(src), str(out)]) == 0
+    inner = out / "hf"
+    shutil.copytree(src, inner)
+    assert main(["convert", str(inner), str(out), "--overwrite"]) == 2
+    assert "must not be the source directory or hold it" in capsys.readouterr().err and (inner / "config.json").exists()
 
 
 def test_unsupported_and_unreadable_checkpoints(tmp_path):

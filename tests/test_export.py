@@ -237,6 +237,9 @@ def test_export_errors_name_the_problem(mamba2, tmp_path, capsys, monkeypatch):
         export(jx, other, overwrite=True)
     with pytest.raises(ConversionError, match="must not be the model directory"):
         export(jx, jx, overwrite=True)
+    with pytest.raises(ConversionError, match="must not be the model directory, hold it or be in it"):
+        export(jx, jx / "params" / "hf")  # its files would be checked against jx's manifest: jx broken
+    assert jaxembed.load(jx).config is not None
     # a hook without an inverse is named before anything is written
     original = mamba2_layouts.export_layout
 

@@ -117,8 +117,10 @@ def convert(src, dst, *, dtype=None, verify: bool = False, tokenizer=None, query
         why = "a jaxembed checkpoint is already there; pass --overwrite to replace it" if checkpoint.is_converted(
             dst) else "not empty and not a jaxembed checkpoint; choose a new or empty directory"
         raise ConversionError(f"{dst}: {why}")  # before the (long) read
-    if Path(src).expanduser().exists() and dst.exists() and dst.resolve() == Path(src).expanduser().resolve():
-        raise ConversionError(f"{dst}: the output directory must differ from the source")
+    local = Path(src).expanduser()
+    if local.exists() and (dst.resolve() == local.resolve() or dst.resolve() in local.resolve().parents):
+        # the replaced directory would take the source with it
+        raise ConversionError(f"{dst}: the output directory must not be the source directory or hold it")
     tok = load_tokenizer(tokenizer) if tokenizer is not None else None
     ck = read_checkpoint(src, dtype=dtype, progress=progress, revision=revision)
     if verify:

@@ -90,8 +90,9 @@ def _check_destination(dst: Path, src: Path, overwrite: bool) -> Path:
     dst = dst.resolve()  # a symlink's target is what gets replaced
     if dst.exists() and not dst.is_dir():
         raise ConversionError(f"{dst}: exists and is not a directory")
-    if dst == src.resolve() or dst in src.resolve().parents:
-        raise ConversionError(f"{dst}: the output directory must not be the model directory or hold it")
+    if dst == src.resolve() or dst in src.resolve().parents or src.resolve() in dst.parents:
+        # inside it, the export's files would be the model's own (params/ is checked against its manifest)
+        raise ConversionError(f"{dst}: the output directory must not be the model directory, hold it or be in it")
     if dst.is_dir() and any(dst.iterdir()):
         if not _is_model_dir(dst):
             raise ConversionError(f"{dst}: not empty and not a model directory (config.json + safetensors); "

@@ -89,8 +89,10 @@ def read_json(path: Path) -> dict:
 
 
 def weight_files(directory: Path, preferred: tuple[str, ...] = ()) -> list[Path]:
-    """The checkpoint's tensor files: named ones first, then (sharded) safetensors, then .bin."""
-    for name in preferred:
+    """The checkpoint's tensor files, in transformers' order: named ones first, then model.safetensors, then
+    a sharded safetensors index, then .bin. (save_pretrained leaves the other layout's files behind: a folder
+    saved single-file then sharded holds both, and transformers reads the single file.)"""
+    for name in (*preferred, "model.safetensors"):
         if (directory / name).exists():
             return [directory / name]
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
