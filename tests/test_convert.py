@@ -74,12 +74,14 @@ def test_missing_unexpected_and_misshaped_keys_are_named(broken_dir):
 
 
 def test_a_tensor_in_two_weight_files_is_refused(broken_dir):
-    """A stale copy of the weights beside the model (no index to say which file is whose): every tensor is
-    in two files, and the converter names one instead of taking whichever file sorts last."""
-    import shutil
-
+    """Weight files with no model.safetensors and no index to say which file is whose, one a stale copy:
+    every tensor is in two files, and the converter names one instead of taking whichever sorts last.
+    Beside a model.safetensors the copy is ignored, as transformers ignores it."""
     shutil.copy(broken_dir / "model.safetensors", broken_dir / "model_old.safetensors")
-    with pytest.raises(ConversionError, match=r"tensor '.*' is in both model.safetensors and model_old.safetensors"):
+    read_checkpoint(broken_dir)
+    (broken_dir / "model.safetensors").rename(broken_dir / "model_new.safetensors")
+    with pytest.raises(ConversionError, match=r"tensor '.*' is in both model_new.safetensors and "
+                                              r"model_old.safetensors"):
         read_checkpoint(broken_dir)
 
 
