@@ -42,7 +42,7 @@ import numpy as np
 
 from jaxembed.errors import DataError, check_positive_int
 from jaxembed.files import write_atomically, write_text_atomically
-from jaxembed.text import check_token_ids, make_batches, tokenize_texts, tokenizer_identity
+from jaxembed.text import check_token_ids, lone_surrogate, make_batches, tokenize_texts, tokenizer_identity
 from jaxembed.train.data import quiet_datasets
 
 FORMATS = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
@@ -235,6 +235,8 @@ def _jsonl_records(corpus: Corpus) -> Iterator[dict]:
             if not isinstance(text, str):
                 raise DataError(f"{where}: field {corpus.text_field!r} is {_json_type(text)} ({text!r:.40}), "
                                 "not a string")
+            if lone_surrogate(text):
+                raise DataError(f"{where}: field {corpus.text_field!r} {lone_surrogate(text)}")
             out = {"text": text}
             if corpus.id_field is not None:
                 if corpus.id_field not in record:
@@ -243,6 +245,11 @@ def _jsonl_records(corpus: Corpus) -> Iterator[dict]:
                 if not isinstance(rid, (str, int)) or isinstance(rid, bool):
                     raise DataError(f"{where}: id field {corpus.id_field!r} is {_json_type(rid)} ({rid!r:.40}); "
                                     "ids must be strings or integers")
+                if isinstance(rid, int) and not -2**63 <= rid < 2**63:
+                    raise DataError(f"{where}: id {rid} does not fit int64 (ids are stored as int64; write large "
+                                    "ids as strings)")
+                if isinstance(rid, str) and lone_surrogate(rid):
+                    raise DataError(f"{where}: id {lone_surrogate(rid)}")
                 if id_type is None:
                     id_type = _id_type(rid)
                 elif _id_type(rid) != id_type:

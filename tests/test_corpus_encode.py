@@ -140,7 +140,9 @@ def test_bad_input_and_another_runs_directory_are_refused(work, capsys):
     lines = {"missing_field.jsonl": '{"id": 1, "text": "a"}\n{"id": 2, "body": "b"}\n',
              "number.jsonl": '{"id": 1, "text": "a"}\n\n{"id": 2, "text": "b"}\n{"id": 3, "text": 5}\n',
              "mixed_ids.jsonl": '{"id": 1, "text": "a"}\n{"id": "x", "text": "b"}\n',
-             "broken.jsonl": '{"id": 1, "text": "a"}\n{"id": 2, "text": "b\n'}
+             "broken.jsonl": '{"id": 1, "text": "a"}\n{"id": 2, "text": "b\n',
+             "huge_id.jsonl": '{"id": 1, "text": "a"}\n{"id": 18446744073709551616, "text": "b"}\n',
+             "surrogate.jsonl": '{"id": 1, "text": "a"}\n{"id": 2, "text": "b\\ud800"}\n'}
     for name, text in lines.items():
         (bad / name).write_text(text)
     (bad / "latin1.txt").write_bytes(b"ok\ncaf\xe9\n")
@@ -153,6 +155,8 @@ def test_bad_input_and_another_runs_directory_are_refused(work, capsys):
         "mixed_ids.jsonl": "mixed_ids.jsonl, line 2 (row 1): id 'x' is a string, but the first record's id is an "
                            "integer",
         "broken.jsonl": "broken.jsonl, line 2 (row 1): not valid JSON",
+        "huge_id.jsonl": "huge_id.jsonl, line 2 (row 1): id 18446744073709551616 does not fit int64",
+        "surrogate.jsonl": "surrogate.jsonl, line 2 (row 1): field 'text' holds a lone surrogate (U+D800",
         "latin1.txt": "latin1.txt, line 2: not valid UTF-8 (byte 0xe9 at column 4)",
         "null.parquet": "null.parquet, row 1: field 'text' is null",
         "ints.parquet": "ints.parquet, row 0: field 'text' is int64 (1), not a string",

@@ -193,7 +193,7 @@ def test_missing_data_is_named(monkeypatch, capsys):
     assert "2 of 2 tasks have no data here" in err and "STS12: dataset 'mteb/sts12-sts'" in err
 
 
-def test_two_models_evaluated_into_one_folder_report_their_own_scores(stdlib_rows, tmp_path, monkeypatch):
+def test_two_models_evaluated_into_one_folder_report_their_own_scores(stdlib_rows, tmp_path, monkeypatch, capsys):
     """Both exports are called `model`; results are keyed by what was evaluated, so the second model
     in a shared folder gets what it gets in a fresh folder, not the first model's cached scores."""
     from jaxembed import checkpoint
@@ -209,11 +209,13 @@ def test_two_models_evaluated_into_one_folder_report_their_own_scores(stdlib_row
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps(r) + "\n" for r in stdlib_rows))
 
+    summaries = []
+
     def evaluate(model, output):
         assert main(["eval", "--model", str(model), "--local-tasks", str(rows), "--output", str(output),
                      "--max-length", "64", "--quiet", "--skip-data-check"]) == 0
-        summary = json.loads((output / "summary" / "jaxembed__model" / "summary.json").read_text())
-        return {task: v["main_score"] for task, v in summary["scores"].items()}
+        summaries.append(json.loads((output / "summary" / "jaxembed__model" / "summary.json").read_text()))
+        return {task: v["main_score"] for task, v in summaries[-1]["scores"].items()}
 
     shared = tmp_path / "shared"
     first = evaluate(paths[0], shared)
@@ -221,3 +223,17 @@ def test_two_models_evaluated_into_one_folder_report_their_own_scores(stdlib_row
     assert second == evaluate(paths[1], tmp_path / "fresh") and second != first
     revisions = sorted(p.name for p in (shared / "results" / "jaxembed__model").iterdir())
     assert len(revisions) == 2 and all(r.startswith("fp-") for r in revisions)
+    # a rerun from mteb's cache keeps the record of how the scores were made (prefixes, cuts)
+    assert evaluate(paths[1], shared) == pytest.approx(second, abs=1e-6)  # mteb's files keep 6 decimals
+    computed, cached = summaries[1], summaries[-1]
+    assert computed["encode_calls"] and sum(c["truncated"] for c in computed["encode_calls"]) > 0
+    assert [{**c, "cached": True} for c in computed["encode_calls"]] == cached["encode_calls"]
+    assert cached["tasks_without_encode_record"] == []
+    # a result file cut short (mteb writes in place) is named, with the fix
+    for revision in revisions:
+        result = sorted((shared / "results" / "jaxembed__model" / revision).glob("*.json"))[-1]
+        result.write_text(result.read_text()[:100])
+    capsys.readouterr()
+    assert main(["eval", "--model", str(paths[1]), "--local-tasks", str(rows), "--output", str(shared),
+                 "--max-length", "64", "--quiet", "--skip-data-check"]) == 2
+    assert "a cached result that cannot be read" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxembed.errors import MissingDataError
+from jaxembed.errors import DataError, MissingDataError
 from jaxembed.eval.summary import aggregate, markdown_table
 from jaxembed.files import write_text_atomically
 
@@ -102,17 +102,48 @@ def task_scores(result, tasks) -> dict[str, tuple[str, float]]:
     return {tr.task_name: (types[tr.task_name], float(tr.get_score())) for tr in result.task_results}
 
 
-def write_summary(model_name: str, scores, benchmark: str | None, output: Path, encoder) -> str:
+def task_calls(scores, encoder, records: Path) -> tuple[list[dict], list[str]]:
+    """Every scored task's encode calls (prefix, cuts): this run's, written to `records` (one file a task, next
+    to mteb's results of the same revision), or, for a task whose result came from mteb's cache, the record its
+    run wrote. Returns (calls, tasks with no record: a result cached before records were kept, or by a run
+    killed between mteb's write and this one)."""
+    calls, unrecorded = [], []
+    for task in scores:
+        mine = [c.__dict__ for c in encoder.calls if c.task == task]
+        path = records / f"{task}.json"
+        if mine:
+            records.mkdir(parents=True, exist_ok=True)
+            write_text_atomically(path, json.dumps(mine, indent=2))
+        elif path.is_file():
+            mine = [{**c, "cached": True} for c in json.loads(path.read_text())]
+        else:
+            unrecorded.append(task)
+        calls += mine
+    return calls, unrecorded
+
+
+def write_summary(model_name: str, scores, benchmark: str | None, output: Path, calls: list[dict],
+                  unrecorded: list[str]) -> str:
     """summary.md (the table) and summary.json (the numbers, truncation and instruction use)."""
     output.mkdir(parents=True, exist_ok=True)
     table = markdown_table(model_name, scores, benchmark)
-    calls = [c.__dict__ for c in encoder.calls]
     write_text_atomically(output / "summary.md", f"# {model_name}: {benchmark or 'selected tasks'}\n\n{table}")
     write_text_atomically(output / "summary.json", json.dumps(
         {"model": model_name, "benchmark": benchmark,
          "scores": {k: {"type": t, "main_score": s} for k, (t, s) in scores.items()},
-         **aggregate(scores), "encode_calls": calls}, indent=2))
+         **aggregate(scores), "encode_calls": calls, "tasks_without_encode_record": unrecorded}, indent=2))
     return table
+
+
+def check_cached_results(directory: Path) -> None:
+    """mteb writes its result files in place: one cut short by a kill would stop every later run with a bare
+    JSON error. Named here, with the fix."""
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        try:
+            json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as err:
+            raise DataError(f"{path}: a cached result that cannot be read ({err}); an interrupted write leaves "
+                            "one: delete the file to compute that task again") from None
 
 
 def evaluation_identity(model, args, max_length, data) -> str:
@@ -152,12 +183,17 @@ def cmd_eval(args) -> int:
                           batch_size=args.batch_size, instructions=args.instructions, template=args.template,
                           show_progress_bar=not args.quiet)
     output = Path(args.output)
+    check_cached_results(output / "results" / name.replace("/", "__") / revision)
     result = mteb.evaluate(encoder, tasks, cache=mteb.ResultCache(output), overwrite_strategy=args.overwrite,
                            show_progress_bar=not args.quiet)
     scores = task_scores(result, tasks)
-    table = write_summary(name, scores, benchmark, output / "summary" / name.replace("/", "__"), encoder)
+    calls, unrecorded = task_calls(scores, encoder, output / "encode_calls" / name.replace("/", "__") / revision)
+    table = write_summary(name, scores, benchmark, output / "summary" / name.replace("/", "__"), calls, unrecorded)
     print(table)
-    truncated = encoder.truncated()
+    truncated = sum(c["truncated"] for c in calls)
     if truncated:
         print(f"{truncated} texts were cut to {max_length} tokens (per call: summary.json)", file=sys.stderr)
+    if unrecorded:
+        print(f"no record of the encode calls (prefixes, cuts) of {len(unrecorded)} cached task(s): "
+              f"{', '.join(unrecorded)}; rerun with --overwrite always to make one", file=sys.stderr)
     return 0
