@@ -34,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,19 +124,44 @@ def open_corpus(path, *, text_field: str = "text", id_field: str | None = None) 
     corpus = Corpus(path.resolve(), fmt, text_field, id_field, rows=0, size=size, sha256=digest)
     if fmt == "parquet":
         _check_parquet_columns(corpus)
-    rows, id_type = 0, None
+    rows, id_type, ids = 0, None, _IdTally()
     if fmt == "jsonl":  # the reader checks every record; the Arrow tables would need the id type first
         for record in _jsonl_records(corpus):
             rows += 1
             id_type = id_type or (_id_type(record["id"]) if id_field else None)
+            if id_field:
+                ids.add([record["id"]], rows - 1)
     else:
         for table in _read_tables(corpus, 8192):
             if id_field and id_type is None:
                 id_type = "int" if _is_integer_type(table.column("id").type) else "str"
+            if id_field:
+                ids.add(table.column("id").to_pylist(), rows)
             rows += table.num_rows
     if rows == 0:
         raise DataError(f"{path}: no records to embed")
+    ids.warn(path)
     return Corpus(corpus.path, fmt, text_field, id_field, rows=rows, size=size, sha256=digest, id_type=id_type)
+
+
+class _IdTally:
+    """Ids are kept as given, one per row; repeated ones would make an index built on them ambiguous: said."""
+
+    def __init__(self):
+        self.seen, self.repeated, self.first = set(), 0, None
+
+    def add(self, ids: list, start: int) -> None:
+        for row, rid in enumerate(ids, start):
+            if rid in self.seen:
+                self.repeated += 1
+                self.first = self.first or (rid, row)
+            self.seen.add(rid)
+
+    def warn(self, path: Path) -> None:
+        if self.repeated:
+            rid, row = self.first
+            warnings.warn(f"{path}: {self.repeated} row(s) repeat an earlier id (first: {rid!r} again at row "
+                          f"{row}); every row is embedded and kept with its id", UserWarning, stacklevel=3)
 
 
 def _is_integer_type(arrow_type) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -169,6 +170,12 @@ def test_bad_input_and_another_runs_directory_are_refused(work, capsys):
     assert not (bad / "out").exists()  # refused before anything was written
     with pytest.raises(DataError, match="a .txt corpus has no fields"):
         open_corpus(bad / "latin1.txt", id_field="id")
+    (bad / "dup.jsonl").write_text("".join(json.dumps({"id": i % 3, "text": "t"}) + "\n" for i in range(7)))
+    pq.write_table(pa.table({"text": ["a", "b", "c"], "id": ["x", "y", "x"]}), bad / "dup.parquet")
+    for name, message in (("dup.jsonl", "4 row(s) repeat an earlier id (first: 0 again at row 3)"),
+                          ("dup.parquet", "1 row(s) repeat an earlier id (first: 'x' again at row 2)")):
+        with pytest.warns(UserWarning, match=re.escape(message)):
+            assert open_corpus(bad / name, id_field="id").rows in (7, 3)
 
     # another run's directory: other options, another corpus, or files that are not ours
     ref = path / "reference"
