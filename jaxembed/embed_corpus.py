@@ -261,8 +261,8 @@ def _jsonl_records(corpus: Corpus) -> Iterator[dict]:
             if not isinstance(text, str):
                 raise DataError(f"{where}: field {corpus.text_field!r} is {_json_type(text)} ({text!r:.40}), "
                                 "not a string")
-            if lone_surrogate(text):
-                raise DataError(f"{where}: field {corpus.text_field!r} {lone_surrogate(text)}")
+            if problem := lone_surrogate(text):
+                raise DataError(f"{where}: field {corpus.text_field!r} {problem}")
             out = {"text": text}
             if corpus.id_field is not None:
                 if corpus.id_field not in record:
@@ -274,8 +274,8 @@ def _jsonl_records(corpus: Corpus) -> Iterator[dict]:
                 if isinstance(rid, int) and not -2**63 <= rid < 2**63:
                     raise DataError(f"{where}: id {rid} does not fit int64 (ids are stored as int64; write large "
                                     "ids as strings)")
-                if isinstance(rid, str) and lone_surrogate(rid):
-                    raise DataError(f"{where}: id {lone_surrogate(rid)}")
+                if isinstance(rid, str) and (problem := lone_surrogate(rid)):
+                    raise DataError(f"{where}: id {problem}")
                 if id_type is None:
                     id_type = _id_type(rid)
                 elif _id_type(rid) != id_type:

@@ -199,8 +199,8 @@ class Embedder:
         instruction = instruction if instruction is not None else self.default_instruction
         if instruction is not None and not isinstance(instruction, str):
             raise TypeError(f"instruction must be a string, got {type(instruction).__name__} ({instruction!r:.40})")
-        if instruction is not None and lone_surrogate(instruction):
-            raise ValueError(f"instruction {lone_surrogate(instruction)}")
+        if instruction is not None and (problem := lone_surrogate(instruction)):
+            raise ValueError(f"instruction {problem}")
         return "" if instruction is None else self.query_template.format(prompt=instruction)
 
     def encode_query(self, texts, instruction: str | None = None, **kwargs) -> np.ndarray:

@@ -208,10 +208,10 @@ def _checked_ids(config, ids, vertical_chunk_size, runtime: Runtime):
 def _concrete(name: str, value) -> np.ndarray | None:
     """The values as given, for range checks: before jnp.asarray, which makes int64 int32 (2**32 + 5 would be
     checked, and embedded, as 5). None when traced under jit."""
-    if isinstance(value, jax.core.Tracer):
-        return None
     try:
         return np.asarray(value)
+    except jax.errors.TracerArrayConversionError:
+        return None
     except ValueError as err:  # ragged nested lists
         raise ValueError(f"{name} must be a rectangular array: {err}") from None
 

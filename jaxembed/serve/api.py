@@ -131,8 +131,8 @@ def parse_request(body: bytes, *, embedding_dim: int, vocab_size: int, max_input
         if input_type != "query":
             raise RequestError(400, "'instruction' applies to queries only: set 'input_type' to 'query' (documents "
                                     "are embedded without one)", param="instruction")
-        if lone_surrogate(instruction):
-            raise RequestError(400, f"'instruction' {lone_surrogate(instruction)}", param="instruction")
+        if problem := lone_surrogate(instruction):
+            raise RequestError(400, f"'instruction' {problem}", param="instruction")
     if input_type == "query" and ids is not None:
         raise RequestError(400, "'input_type' 'query' puts the query prompt before text; token ids are used as "
                                 "given (include the prompt's ids yourself, or send text)", param="input_type")
@@ -182,8 +182,7 @@ def _parse_input(value, vocab_size: int, max_inputs: int):
 
 
 def _check_text(text: str, name: str) -> None:
-    problem = lone_surrogate(text)
-    if problem:
+    if problem := lone_surrogate(text):
         raise RequestError(400, f"{name} {problem}", param="input")
 
 

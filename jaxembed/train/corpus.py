@@ -229,8 +229,8 @@ def collect_functions(root: Path | Sequence[Path] | None = None, modules: Iterab
     """All usable functions under `root` (one directory or several; default: the stdlib), or of `modules`
     only, sorted by (module, file, line), deduplicated by query and by positive (the first occurrence is
     kept; queries compared by `_query_key`, positives with whitespace collapsed). A top-level module found
-    under two roots is taken from the first. Files are parsed on `workers`
-    processes (default: one per core); the result does not depend on it. Also returns file counts and the
+    under two roots is taken from the first. Files are parsed on `workers` processes (default: one per
+    core); the result does not depend on it. Also returns file counts and the
     namespace packages not read."""
     roots = [stdlib_dir()] if root is None else [Path(root)] if isinstance(root, (str, os.PathLike)) else [
         Path(r) for r in root]
