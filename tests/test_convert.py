@@ -1,6 +1,7 @@
 """`jaxembed convert`: round trip, --verify, dtype, and the errors a broken checkpoint gets."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -71,6 +72,17 @@ def test_missing_unexpected_and_misshaped_keys_are_named(broken_dir):
     assert "1 unexpected key(s)" in text and "layers.0.mixer.extra" in text
     assert "1 misshaped key(s)" in text and "layers.0.mixer.out_proj.weight: shape (64, 100)" in text
     assert "1 non-float key(s)" in text and "layers.0.mixer.D: dtype int32, expected a float type" in text
+    assert "the config has" not in text  # every layer is there: no layer-count hint
+
+
+@pytest.mark.parametrize("n_layers, hint", [(3, "the config has 3 layers, the weights hold layer(s) 0-1 (2)"),
+                                            (1, "the config has 1 layer, the weights hold layer(s) 0-1 (2)")])
+def test_a_layer_count_that_does_not_match_the_weights_is_named(broken_dir, n_layers, hint):
+    """An edited num_hidden_layers makes a long list of missing or unexpected keys; the line above it says why."""
+    raw = json.loads((broken_dir / "config.json").read_text())
+    (broken_dir / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": n_layers}))
+    with pytest.raises(ConversionError, match=r"does not match the model:\n  " + re.escape(hint)):
+        read_checkpoint(broken_dir)
 
 
 def test_a_tensor_in_two_weight_files_is_refused(broken_dir):
@@ -104,6 +116,8 @@ def test_convert_never_replaces_a_directory_holding_its_source(hf_model_dir, tmp
     src, _ = hf_model_dir
     out = tmp_path / "jx"
     assert main(["convert", str(src), str(out)]) == 0
+    assert main(["convert", str(out), str(tmp_path / "again")]) == 2  # named, not "not a checkpoint"
+    assert "already a jaxembed model (jaxembed.json); jaxembed.load reads it" in capsys.readouterr().err
     inner = out / "hf"
     shutil.copytree(src, inner)
     assert main(["convert", str(inner), str(out), "--overwrite"]) == 2

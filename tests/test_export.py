@@ -118,11 +118,13 @@ def test_bfloat16_export_keeps_the_decays_float32(mamba2, tmp_path):
 
 def test_xlstm_export_in_shards_loads_in_transformers(tmp_path, tokenizer):
     """Written in several shards with transformers' index; the config turns the cache off (its qk_dim
-    rounding does not fit these layers), so a plain call works."""
+    rounding does not fit these layers), so a plain call works. tie_word_embeddings is set: transformers'
+    xLSTMForCausalLM never ties, so its own lm_head must come back too (it was dropped)."""
     from transformers import AutoConfig, xLSTMForCausalLM
 
     model = make_hf_xlstm(seed=5, vocab_size=len(tokenizer), use_bias=True, num_heads=2, chunk_size=8,
-                          causal_lm=True)
+                          causal_lm=True, tie_word_embeddings=True)
+    assert not torch.equal(model.lm_head.weight, model.backbone.embeddings.weight)
     model.save_pretrained(tmp_path / "src")
     convert(tmp_path / "src", tmp_path / "jx", tokenizer=tokenizer, progress=False)
     dst = export(tmp_path / "jx", tmp_path / "hf", max_shard_bytes=60_000)
@@ -230,6 +232,14 @@ def test_export_errors_name_the_problem(mamba2, tmp_path, capsys, monkeypatch):
     assert main(["export", str(jx), str(dst), "--overwrite"]) == 0
     assert load_file(dst / "model.safetensors").keys() == load_file(root / "hf" / "model.safetensors").keys()
     assert not list(tmp_path.glob(".out.*"))
+    # ... and only when it loses nothing: the swap replaces the directory, not just the export's files
+    (dst / "generation_config.json").write_text("{}")
+    (dst / "eval").mkdir()
+    with pytest.raises(ConversionError, match=r"files an export does not write: eval/, generation_config.json"):
+        export(jx, dst, overwrite=True)
+    assert (dst / "generation_config.json").exists() and (dst / "eval").is_dir()
+    (dst / "generation_config.json").unlink()
+    (dst / "eval").rmdir()
     other = tmp_path / "notes"
     other.mkdir()
     (other / "a.txt").write_text("mine")

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 
 import jax
@@ -545,6 +546,16 @@ def test_resume_refuses_another_base_schedule_or_a_damaged_checkpoint(tmp_path):
     (tmp_path / "model.bin").write_text("x")
     with pytest.raises(ConfigError, match="output: .*model.bin exists and is not a directory"):
         trainer(output=str(tmp_path / "model.bin"))
+    # the paths the run writes are checked before the model loads and the data is tokenized, not at step 1
+    (tmp_path / "logs").mkdir()
+    with pytest.raises(ConfigError, match="log: .*logs is a directory; the metrics log is a file"):
+        trainer(log=str(tmp_path / "logs"))
+    with pytest.raises(ConfigError, match="log: .*model.bin/m.jsonl cannot be created: .*model.bin is a file"):
+        trainer(log=str(tmp_path / "model.bin" / "m.jsonl"))
+    with pytest.raises(ConfigError, match="tensorboard: .*model.bin exists and is not a directory"):
+        trainer(tensorboard=str(tmp_path / "model.bin"))
+    with pytest.raises(ConfigError, match="data.token_cache: .*model.bin/c/d cannot be created: .*model.bin is a"):
+        trainer(data={"token_cache": str(tmp_path / "model.bin" / "c" / "d")})
     cfg = load_train_config(tmp_path / "c.yaml")
     model_dir = str(tmp_path / "base-model")
     with pytest.raises(ConfigError, match="output: .*base-model is model.path; the export would replace the base"):
@@ -664,6 +675,13 @@ def test_grad_cache_auto_fits_the_step_in_memory(tmp_path):
     steps = [r for r in trainer.run() if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["loss"]) for r in steps)
     assert all(0 <= r["input_wait_share"] < 1 and r["tokens_per_s"] > 0 and r["mfu"] is None for r in steps)
+    # the first window compiled the step: that time is its own field, not in the throughput
+    assert steps[0]["compile_s"] > 0
+    tick = time.perf_counter()
+    batch = trainer.batch(0)
+    (row,) = trainer._rows([(0, batch, {"loss": 1.0}, 0)], tick - 100.0, 0.5, 99.0)
+    elapsed = time.perf_counter() - tick + 1.0  # the window less its compilation: 1 s and this call
+    assert batch.tokens / elapsed <= row["tokens_per_s"] <= batch.tokens and row["input_wait_share"] <= 0.5
     # resuming that checkpoint on other data (same row count, one text edited) is refused: the batches would differ
     rows[5]["positive"] += " edited"
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxembed import models
+from jaxembed import checkpoint, models
 from jaxembed.convert.core import convert_tensors
 from jaxembed.convert.sources import ConversionError, TensorSource, fetch_weights, resolve, weight_files
 
@@ -39,6 +39,9 @@ class Checkpoint:
 
 def detect(directory: Path):
     """(conversion module, layout name, config, preferred weight files) for a checkpoint directory."""
+    if checkpoint.is_converted(directory):
+        raise ConversionError(f"{directory}: already a jaxembed model ({checkpoint.MANIFEST}); jaxembed.load reads it "
+                              "as it is, and `jaxembed export` writes it back in its source layout")
     for layouts in LAYOUTS:
         found = layouts.detect(directory)
         if found is not None:

@@ -174,6 +174,10 @@ def convert_tensors(
             if items:
                 shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
                 lines.append(f"{len(items)} {title} key(s):\n    " + "\n    ".join(shown))
+        held = _layers_held(names, active)
+        if held and held != set(range(n_layers)):  # the usual cause of a long list: a layer count edited
+            lines.insert(0, f"the config has {n_layers} layer{'s' * (n_layers != 1)}, the weights hold layer(s) "
+                            f"{_ranges(sorted(held))} ({len(held)})")
         raise ConversionError("checkpoint does not match the model:\n  " + "\n  ".join(lines))
 
     # One leaf at a time: each layer's tensor is written in place into a device buffer (donated,
@@ -198,6 +202,23 @@ def convert_tensors(
                 bar.update(1)
             _set(params, rule.path, leaf)
     return params
+
+
+def _layers_held(names: Mapping[str, str], rules: list[Rule]) -> set[int]:
+    """The layer indices the checkpoint's (normalised) keys hold, read through the stacked rules' keys."""
+    patterns = [re.compile(re.escape(r.key).replace(re.escape("{i}"), r"(\d+)")) for r in rules if r.stacked]
+    return {int(m.group(1)) for name in names for pattern in patterns if (m := pattern.fullmatch(name))}
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 @partial(jax.jit, donate_argnums=0)

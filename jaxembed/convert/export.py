@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -44,8 +45,8 @@ def export(model, dst, *, format: str = "hf", dtype: str | None = None, overwrit
     """Write the jaxembed model directory `model` to `dst` in its family's source layout (format "hf":
     transformers' for Mamba2 and xLSTM, fla-hub's for RWKV7). Atomic: a temporary sibling renamed into
     place; an existing `dst` is replaced only with `overwrite`, and only if it is empty or a model
-    directory (config.json + safetensors). dtype: cast float weights (the family's FLOAT32_PARAMS stay
-    float32, as jaxembed keeps them); None writes them as stored."""
+    directory (config.json + safetensors) holding nothing an export does not write. dtype: cast float
+    weights (the family's FLOAT32_PARAMS stay float32, as jaxembed keeps them); None writes them as stored."""
     if format not in FORMATS:
         raise ConversionError(f"unknown export format {format!r}; supported: {', '.join(FORMATS)}")
     if dtype is not None and dtype not in DTYPES:
@@ -99,7 +100,20 @@ def _check_destination(dst: Path, src: Path, overwrite: bool) -> Path:
                                   "refusing to replace it (choose a new or empty directory)")
         if not overwrite:
             raise ConversionError(f"{dst}: a model is already there; pass --overwrite to replace it")
+        # the swap replaces the whole directory: anything an export would not write back would be lost
+        foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in dst.iterdir() if not _export_file(p))
+        if foreign:
+            shown = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+            raise ConversionError(f"{dst}: --overwrite replaces the whole directory, and it holds files an export "
+                                  f"does not write: {shown}; move them or choose another directory")
     return dst
+
+
+def _export_file(path: Path) -> bool:
+    """A file `export` writes (weights, index, config, tokenizer), so replacing it loses nothing."""
+    return path.is_file() and (path.name in ("config.json", "model.safetensors", "model.safetensors.index.json",
+                                             *checkpoint.TOKENIZER_FILES)
+                               or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", path.name) is not None)
 
 
 def _is_model_dir(directory: Path) -> bool:

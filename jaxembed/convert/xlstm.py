@@ -85,7 +85,7 @@ def rules_for(cfg: XLSTMConfig) -> list[Rule]:
 
 
 def ignored_keys(cfg: XLSTMConfig) -> list[str]:
-    # a tied head may still be saved as a copy of the embedding
+    # checkpoints are read untied (config_from_transformers); a tied jaxembed config has no lm_head to keep
     return ["lm_head.weight"] if cfg.tie_embeddings else []
 
 
@@ -94,7 +94,7 @@ def ignored_keys(cfg: XLSTMConfig) -> list[str]:
 # transformers' xLSTMConfig defaults (those of NX-AI/xLSTM-7b), for fields a config.json leaves out
 TRANSFORMERS_DEFAULTS = {
     "vocab_size": 50304, "hidden_size": 4096, "num_hidden_layers": 32, "num_heads": 8, "use_bias": False,
-    "tie_word_embeddings": False, "add_out_norm": True, "norm_eps": 1e-6, "qk_dim_factor": 0.5,
+    "add_out_norm": True, "norm_eps": 1e-6, "qk_dim_factor": 0.5,
     "v_dim_factor": 1.0, "chunk_size": 64, "eps": 1e-6, "ffn_proj_factor": 2.667, "ffn_round_up_to_multiple_of": 64,
     "gate_soft_cap": 15.0, "output_logit_soft_cap": 30.0, "weight_mode": "single", "pad_token_id": 1,
     "eos_token_id": 2,
@@ -113,6 +113,8 @@ def _either(raw: dict, a: str, b: str, origin: str):
 def config_from_transformers(raw: dict, origin: str) -> XLSTMConfig:
     """Our config from a transformers xLSTM config.json (as a dict)."""
     c = {**TRANSFORMERS_DEFAULTS, **raw}
+    # tie_word_embeddings is not read: transformers' xLSTMForCausalLM declares no tied weights, so its
+    # lm_head is its own tensor whatever the flag says (and is kept, or the export's head would be random)
     if not c["add_out_norm"]:
         raise ConversionError(
             f"{origin}: add_out_norm=false is not supported (transformers' xLSTMModel applies out_norm regardless, "
@@ -126,7 +128,7 @@ def config_from_transformers(raw: dict, origin: str) -> XLSTMConfig:
             qk_dim_factor=c["qk_dim_factor"], v_dim_factor=c["v_dim_factor"], ffn_proj_factor=c["ffn_proj_factor"],
             ffn_round_up_to_multiple_of=c["ffn_round_up_to_multiple_of"], gate_soft_cap=c["gate_soft_cap"],
             output_logit_soft_cap=c["output_logit_soft_cap"], norm_eps=c["norm_eps"], eps=c["eps"],
-            use_bias=c["use_bias"], weight_mode=c["weight_mode"], tie_embeddings=c["tie_word_embeddings"],
+            use_bias=c["use_bias"], weight_mode=c["weight_mode"], tie_embeddings=False,
             chunk_size=c["chunk_size"], eos_token_id=eos, pad_token_id=c["pad_token_id"],
         )
     except ConfigError as err:

@@ -175,11 +175,11 @@ class TrainConfig:
 
     @property
     def token_cache_dir(self) -> Path:
-        return Path(self.data.token_cache or Path(self.checkpoint.directory).parent / "token-cache")
+        return Path(self.data.token_cache or Path(self.checkpoint.directory).parent / "token-cache").expanduser()
 
     @property
     def log_path(self) -> Path:
-        return Path(self.log) if self.log else Path(self.checkpoint.directory).parent / "metrics.jsonl"
+        return (Path(self.log) if self.log else Path(self.checkpoint.directory).parent / "metrics.jsonl").expanduser()
 
 
 def _build(cls, raw, where: str):

@@ -145,6 +145,7 @@ class Trainer:
         if out is not None and cfg.model.path and out.resolve() == Path(cfg.model.path).expanduser().resolve():
             raise ConfigError(f"output: {out} is model.path; the export would replace the base model that this run's "
                               "checkpoints are adapters of (choose another directory)")
+        _check_written_paths(cfg)
         if t.batch_size % self.shards:
             raise ConfigError(f"train.batch_size={t.batch_size} is not a multiple of the {self.shards} batch shards "
                               f"(mesh data x fsdp)")
@@ -482,8 +483,8 @@ class Trainer:
         tick = time.perf_counter()
         batch = self.batch(step)
         self.truncated += batch.truncated
-        self.state, metrics = self._step_fn(batch.plan)(self.state, self.base, self._device_batch(batch))
-        row = self._rows([(step, batch, metrics, self.truncated)], tick, 0.0)[0]
+        metrics, compile_s = self._dispatch(batch)
+        row = self._rows([(step, batch, metrics, self.truncated)], tick, 0.0, compile_s)[0]
         self._check_finite([row])
         return row
 
@@ -509,16 +510,27 @@ class Trainer:
                 + (", or train in float32 (model.dtype) to see whether bf16 overflows"
                    if self.cfg.model.dtype == "bfloat16" else ""))
 
-    def _rows(self, pending, window_start: float, input_wait_s: float) -> list[dict]:
+    def _dispatch(self, batch) -> tuple[dict, float]:
+        """Start the step on `batch` (asynchronously): its device metrics, and the seconds spent
+        compiling: the call's time when its length plan is new (jit traces and compiles before it
+        dispatches), else 0."""
+        new_plan = batch.plan not in self._step_fns
+        tick = time.perf_counter()
+        self.state, metrics = self._step_fn(batch.plan)(self.state, self.base, self._device_batch(batch))
+        return metrics, time.perf_counter() - tick if new_plan else 0.0
+
+    def _rows(self, pending, window_start: float, input_wait_s: float, compile_s: float) -> list[dict]:
         """Log rows of the steps in `pending` [(step, batch, device metrics, truncated so far)], their
         metrics read back in one transfer; throughput over the wall time from `window_start` until
-        they are done (steps are dispatched asynchronously: the read-back is where they finish)."""
+        they are done (steps are dispatched asynchronously: the read-back is where they finish), less
+        the `compile_s` spent compiling new length plans (reported on its own)."""
         values = jax.device_get([m for _, _, m, _ in pending])
-        seconds = time.perf_counter() - window_start
+        seconds = max(time.perf_counter() - window_start - compile_s, 1e-9)
         tokens = sum(b.tokens for _, b, _, _ in pending)
         flops = 6 * self.matmul_params * tokens  # model FLOPs (forward + backward), no recompute counted
         window = {"tokens_per_s": tokens / seconds, "input_wait_share": input_wait_s / seconds,
-                  "mfu": None if self.peak_flops is None else flops / seconds / self.peak_flops}
+                  "mfu": None if self.peak_flops is None else flops / seconds / self.peak_flops,
+                  "compile_s": compile_s}
         return [{"step": step + 1, **{k: float(v) for k, v in m.items()}, "tokens": batch.tokens,
                  "padded_tokens": batch.padded_tokens, **window,
                  "source": batch.source, "truncated_total": truncated}
@@ -557,19 +569,19 @@ class Trainer:
             # resuming stays exact.
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxembed-batches")
             upcoming = pool.submit(self.batch, start) if start < self.total_steps else None
-            pending, window_start, waited = [], time.perf_counter(), 0.0
+            pending, window_start, waited, compiling = [], time.perf_counter(), 0.0, 0.0
 
             def flush():
-                nonlocal pending, window_start, waited
+                nonlocal pending, window_start, waited, compiling
                 if pending:
-                    flushed = self._rows(pending, window_start, waited)
+                    flushed = self._rows(pending, window_start, waited, compiling)
                     for row in flushed:
                         record(row)
                     self._check_finite(flushed)  # logged first, so metrics.jsonl shows the step that diverged
                     last = rows[-1]
                     bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}",
                                     tok_s=f"{last['tokens_per_s']:.0f}", wait=f"{last['input_wait_share']:.0%}")
-                pending, window_start, waited = [], time.perf_counter(), 0.0
+                pending, window_start, waited, compiling = [], time.perf_counter(), 0.0, 0.0
 
             for step in range(start, self.total_steps):
                 tick = time.perf_counter()
@@ -577,7 +589,8 @@ class Trainer:
                 waited += time.perf_counter() - tick
                 upcoming = pool.submit(self.batch, step + 1) if step + 1 < self.total_steps else None
                 self.truncated += batch.truncated
-                self.state, metrics = self._step_fn(batch.plan)(self.state, self.base, self._device_batch(batch))
+                metrics, compile_s = self._dispatch(batch)
+                compiling += compile_s
                 pending.append((step, batch, metrics, self.truncated))
                 bar.update(1)
                 last = step + 1 == self.total_steps
@@ -646,6 +659,25 @@ class Trainer:
         return checkpoint.save(directory, self.config, params, embedder={"query_template": self.query_template},
                                source=f"jaxembed train ({self.cfg.model.path or self.cfg.model.init})",
                                tokenizer=self.tokenizer, overwrite=True)
+
+
+def _check_written_paths(cfg: TrainConfig) -> None:
+    """The paths a run writes, checked before the model loads and the data is tokenized (minutes of work
+    that a log path in a file's place would otherwise throw away at the first step)."""
+    paths = [("log", cfg.log_path, "file"), ("data.token_cache", cfg.token_cache_dir, "dir"),
+             ("checkpoint.directory", Path(cfg.checkpoint.directory).expanduser(), "dir")]
+    if cfg.tensorboard:
+        paths.append(("tensorboard", Path(cfg.tensorboard).expanduser(), "dir"))
+    for what, path, kind in paths:
+        if kind == "file" and path.is_dir():
+            raise ConfigError(f"{what}: {path} is a directory; the metrics log is a file")
+        if kind == "dir" and path.exists() and not path.is_dir():
+            raise ConfigError(f"{what}: {path} exists and is not a directory")
+        existing = next(p for p in path.absolute().parents if p.exists())  # what mkdir would create it under
+        if not existing.is_dir():
+            raise ConfigError(f"{what}: {path} cannot be created: {existing} is a file, not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"{what}: {path} cannot be created: {existing} is not writable")
 
 
 def _gib(n: float) -> str:
