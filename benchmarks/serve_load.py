@@ -148,9 +148,11 @@ async def run_load(url: str, workload, time_limit: float):
             start = time.perf_counter()
             try:
                 r = await http.post(f"{url}/v1/embeddings", json={"input": inp, "encoding_format": fmt})
-                status, body = r.status_code, r.json()
             except Exception as err:  # counted as an error below
                 status, body = repr(err), None
+            else:  # a reply that is not JSON (a proxy's or a crash's plain text) keeps its HTTP status
+                status = r.status_code
+                body = r.json() if r.headers.get("content-type", "").startswith("application/json") else None
             seconds = time.perf_counter() - start
             rows = None
             if status == 200:

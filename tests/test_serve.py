@@ -199,6 +199,7 @@ def test_bad_requests_get_4xx_naming_the_problem(embedder):
         (b'{"input": ["ok", "a\\ud800b"]}', 400, "input[1] holds a lone surrogate (U+D800 at character 1)", "input"),
         (b'{"input": "a", "input_type": "query", "instruction": "x\\udfff"}', 400,
          "'instruction' holds a lone surrogate", "instruction"),
+        (b'{"input": "a", "\\ud800x": 1}', 400, "unknown field '\\ud800x'", "\\ud800x"),  # was a 500
     ]
 
     async def run(c):
@@ -224,7 +225,7 @@ def test_bad_requests_get_4xx_naming_the_problem(embedder):
     m = metric_values(text)
     by_status = {dict(k[1])["status"]: v for k, v in m.items()
                  if k[0] == "jaxembed_requests_total" and dict(k[1])["endpoint"] == "embeddings"}
-    assert by_status == {"200": len(cases) + 1, "400": 21, "404": 1, "413": 3}
+    assert by_status == {"200": len(cases) + 1, "400": 22, "404": 1, "413": 3}
 
 
 def test_queue_full_then_timeout(embedder):
@@ -242,7 +243,7 @@ def test_queue_full_then_timeout(embedder):
 
     full, first, second, third = serve(app, run)
     assert full.status_code == 503 and full.headers["retry-after"] == "1"
-    assert "queue is full (1 requests waiting)" in full.json()["error"]["message"]
+    assert "queue is full (1 requests waiting, 0 being read)" in full.json()["error"]["message"]
     for r in (first, second, third):
         np.testing.assert_allclose(rows(r)[0], embedder.encode(TEXTS[0]), atol=1e-5)
 
@@ -263,6 +264,114 @@ def test_queue_full_then_timeout(embedder):
     assert queued_after == 0  # the request that gave up left the queue: it is never run
     assert gated.calls == [1, 1]  # the first (held), then the third; never the second
     np.testing.assert_allclose(rows(third)[0], embedder.encode(TEXTS[0]), atol=1e-5)
+
+
+async def call_app(app, body_messages, disconnect: asyncio.Event | None = None):
+    """The app called as uvicorn would, the body sent as `body_messages`; after them the client stays until
+    `disconnect` is set (or forever). Returns the response's status."""
+    messages = list(body_messages)
+    sent = []
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await (disconnect or asyncio.Event()).wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/embeddings", "raw_path": b"/v1/embeddings", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1), "server": ("t", 80)}
+    await app(scope, receive, send)
+    return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+
+def test_a_client_that_leaves_or_stalls_is_not_served(embedder):
+    """A queued request whose client disconnects leaves the queue and never runs (it ran, and counted as a
+    200); a body that stops arriving is a 408 within the request timeout (it held its slot forever)."""
+    gated = Gated(embedder)
+    app = create_app(gated, max_wait_ms=0, request_timeout=30)
+    body = [{"type": "http.request", "body": b'{"input": "leaving"}', "more_body": False}]
+
+    async def run(c):
+        held = asyncio.create_task(c.post("/v1/embeddings", json={"input": TEXTS[0]}))
+        await until(lambda: gated.calls)
+        gone = asyncio.Event()
+        leaving = asyncio.create_task(call_app(app, body, gone))
+        await until(lambda: app.state.batcher.queued == 1)
+        gone.set()
+        status = await leaving
+        queued = app.state.batcher.queued
+        gated.gate.set()
+        return await held, status, queued, (await c.get("/metrics")).text
+
+    held, status, queued, text = serve(app, run)
+    assert status == 499 and queued == 0
+    assert gated.calls == [1]  # the held request only: the one whose client left never ran
+    np.testing.assert_allclose(rows(held)[0], embedder.encode(TEXTS[0]), atol=1e-5)
+    assert metric_values(text)[("jaxembed_requests_total", (("endpoint", "embeddings"), ("status", "499")))] == 1
+
+    app = create_app(embedder, request_timeout=0.3)
+    partial = [{"type": "http.request", "body": b'{"input": "sl', "more_body": True}]
+
+    async def stalled(c):
+        return await call_app(app, partial)
+
+    assert serve(app, stalled) == 408
+
+
+def test_a_failing_batch_fails_only_its_culprit_and_a_stopped_worker_is_named():
+    """Batcher alone: requests merged into a batch that fails are run again one at a time, so only the one
+    that fails gets the error; a worker stopped by an error outside the model call fails what waits, refuses
+    what comes, and /health would say so (batcher.stopped)."""
+    from jaxembed.serve.batcher import Batcher, Closed
+
+    calls, gate = [], threading.Event()
+
+    def run(ids):
+        calls.append([seq[0] for seq in ids])
+        assert gate.wait(30)
+        if any(seq[0] == 666 for seq in ids):
+            raise FloatingPointError("non-finite embedding")
+        return np.array([[float(seq[0])] for seq in ids], np.float32)
+
+    async def main():
+        batcher = Batcher(run, batch_tokens=100, max_wait=0.0, max_queue=8)
+        batcher.start()
+        first = batcher.submit([[1]], 1)
+        await until(lambda: calls)
+        bad, good = batcher.submit([[666]], 1), batcher.submit([[2], [3]], 2)
+        gate.set()
+        out = await first.future, await good.future
+        with pytest.raises(FloatingPointError):
+            await bad.future
+        await batcher.close()
+        return out
+
+    first, good = asyncio.run(main())
+    assert calls == [[1], [666, 2, 3], [666], [2, 3]]
+    assert first.tolist() == [[1.0]] and good.tolist() == [[2.0], [3.0]]
+
+    class BrokenMetrics:
+        queue_depth = type("Gauge", (), {"set": lambda self, v: None})()
+
+        def observe_batch(self, *args):
+            raise RuntimeError("a metrics bug")
+
+    async def stops():
+        batcher = Batcher(run, batch_tokens=1, max_wait=0.0, max_queue=8, metrics=BrokenMetrics())
+        batcher.start()
+        first, waiting = batcher.submit([[1]], 1), batcher.submit([[2]], 1)  # two batches: the second waits
+        for job in (first, waiting):
+            with pytest.raises(Closed, match=r"the batch worker stopped \(RuntimeError: a metrics bug\)"):
+                await job.future
+        with pytest.raises(Closed, match="the batch worker stopped"):
+            batcher.submit([[3]], 1)
+        return batcher.stopped
+
+    assert asyncio.run(stops()) == "RuntimeError: a metrics bug"
 
 
 def test_health_metrics_models_and_warmup(embedder):
@@ -320,6 +429,45 @@ def test_a_port_that_cannot_be_listened_on_is_one_line_before_the_model_loads(tm
             assert "\n" not in err
     finally:
         taken.close()
+
+
+def test_request_ids_with_a_tokenizer_copy_and_ids_beyond_the_vocabulary(embedder):
+    """Long texts are tokenized with a copy of the tokenizer (so they never hold up short requests): the same
+    ids. A tokenizer larger than the model's vocabulary fails the one request that reaches past it (a 500
+    naming the input), before it is queued: it failed the whole merged batch, deep in the model."""
+    import copy
+    import json
+
+    from jaxembed.serve.api import RequestError, parse_request, request_ids
+
+    texts = ["a long text about parsing JSON, " * 200, "short"]
+    req = parse_request(json.dumps({"input": texts}).encode(), embedding_dim=embedder.embedding_dim,
+                        vocab_size=embedder.vocab_size, max_inputs=4)
+    assert request_ids(embedder, req, copy.deepcopy(embedder.tokenizer), threading.Lock()) == embedder.tokenize(texts)
+
+    class SmallVocabulary(Gated):
+        vocab_size = 40
+
+    with pytest.raises(RequestError, match=r"input\[0\] tokenizes to id \d+, outside this model's vocabulary of 40") \
+            as err:
+        request_ids(SmallVocabulary(embedder), req)
+    assert err.value.status == 500 and err.value.kind == "server_error"
+
+
+def test_limits_a_worker_cannot_keep_are_refused_up_front(embedder, tmp_path, capsys):
+    """A batch wait past the request timeout (inf overflowed the worker's wait and stopped it: every request then
+    timed out while /health said ok), an infinite or sub-byte body limit: one line naming the flag, exit 2."""
+    from jaxembed.cli import main
+
+    for flags, message in ((["--max-wait-ms", "inf"], "--max-wait-ms must be from 0 to below --request-timeout (60 s)"),
+                           (["--max-wait-ms", "2000", "--request-timeout", "1"], "below --request-timeout (1 s)"),
+                           (["--max-body-mb", "inf"], "--max-body-mb must be positive and finite, got inf"),
+                           (["--max-body-mb", "1e-9"], "--max-body-mb must be at least one byte"),
+                           (["--request-timeout", "inf"], "--request-timeout must be positive and finite")):
+        assert main(["serve", "--model", str(tmp_path / "none"), *flags]) == 2
+        assert message in capsys.readouterr().err, flags
+    with pytest.raises(ValueError, match="max_wait_ms must be a number from 0 to below request_timeout"):
+        create_app(embedder, max_wait_ms=float("inf"))
 
 
 def test_cli_serves_on_loopback_and_drains_on_sigterm(embedder, hf_model_dir):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from pathlib import Path
 
 from jaxembed.errors import check_positive_int
@@ -78,10 +79,13 @@ def limits_from_args(args) -> dict:
     for name in ("max_tokens_per_batch", "warmup_max_length"):
         check_positive_int("--" + name.replace("_", "-"), getattr(args, name), optional=True)
     for name in ("max_body_mb", "request_timeout"):
-        if not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not args.max_wait_ms >= 0:
-        raise ValueError(f"--max-wait-ms must be >= 0, got {args.max_wait_ms}")
+        if not 0 < getattr(args, name) < math.inf:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive and finite, got {getattr(args, name)}")
+    if int(args.max_body_mb * (1 << 20)) < 1:
+        raise ValueError(f"--max-body-mb must be at least one byte (1e-6 MiB), got {args.max_body_mb}")
+    if not 0 <= args.max_wait_ms < args.request_timeout * 1000:
+        raise ValueError(f"--max-wait-ms must be from 0 to below --request-timeout ({args.request_timeout:g} s), "
+                         f"got {args.max_wait_ms}")
     limits = dict(max_input_tokens=args.max_input_tokens, max_request_tokens=args.max_request_tokens,
                   max_inputs=args.max_inputs, max_body_bytes=int(args.max_body_mb * (1 << 20)),
                   max_queue=args.max_queue, request_timeout=args.request_timeout, batch_tokens=args.batch_tokens,

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
+import math
 import threading
 import time
 
@@ -24,6 +26,7 @@ from jaxembed.serve.api import (
     check_token_limits,
     error_body,
     parse_request,
+    render,
     request_ids,
     response_body,
 )
@@ -32,6 +35,7 @@ from jaxembed.serve.metrics import Metrics
 
 log = logging.getLogger("jaxembed.serve")
 INLINE_TOKENIZE_CHARS = 4096  # requests with at most this many characters of text are tokenized in the event loop
+INLINE_RENDER_VALUES = 1 << 16  # responses with at most this many floats are written in the event loop
 
 DEFAULT_LIMITS = dict(
     max_input_tokens=32768,  # tokens per input (EOS and prompt included)
@@ -60,10 +64,13 @@ def check_limits(limits: dict) -> dict:
         check_positive_int(name, out[name])
     for name in ("max_tokens_per_batch", "warmup_max_length"):
         check_positive_int(name, out[name], optional=True)
-    if not isinstance(out["request_timeout"], (int, float)) or not out["request_timeout"] > 0:
-        raise ValueError(f"request_timeout must be a positive number of seconds, got {out['request_timeout']!r}")
-    if not isinstance(out["max_wait_ms"], (int, float)) or not out["max_wait_ms"] >= 0:
-        raise ValueError(f"max_wait_ms must be a number >= 0, got {out['max_wait_ms']!r}")
+    timeout = out["request_timeout"]
+    if not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"request_timeout must be a positive, finite number of seconds, got {timeout!r}")
+    wait = out["max_wait_ms"]
+    if not isinstance(wait, (int, float)) or not 0 <= wait < timeout * 1000:
+        # a batch that waits longer than a request may would only ever time out
+        raise ValueError(f"max_wait_ms must be a number from 0 to below request_timeout ({timeout:g} s), got {wait!r}")
     return out
 
 
@@ -73,7 +80,18 @@ def create_app(embedder, *, model_name: str = "jaxembed", **limits) -> Starlette
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
     metrics = Metrics()
-    tokenizer_lock = threading.Lock()
+    # a transformers fast tokenizer is not safe to call from several threads at once: one lock per copy, and a
+    # copy of its own for long texts, so that one long request never holds up the short ones
+    short_tokenizer, short_lock = embedder.tokenizer, threading.Lock()
+    try:
+        long_tokenizer, long_lock = copy.deepcopy(embedder.tokenizer), threading.Lock()
+    except Exception:  # a tokenizer that cannot be copied: one for all, as before
+        long_tokenizer, long_lock = short_tokenizer, short_lock
+    if short_tokenizer is not None and hasattr(short_tokenizer, "__len__") and \
+            len(short_tokenizer) > embedder.vocab_size:
+        log.warning("the tokenizer has %d tokens, the model's vocabulary %d: a text that tokenizes to an id "
+                    "beyond it is refused (500)", len(short_tokenizer), embedder.vocab_size)
+    preparing = 0  # requests being read, checked and tokenized (not yet queued): at most max_queue
     created = int(time.time())
 
     def run(ids):
@@ -104,8 +122,9 @@ def create_app(embedder, *, model_name: str = "jaxembed", **limits) -> Starlette
             await batcher.close()
 
     def error(status: int, body: dict, endpoint: str, headers=None) -> JSONResponse:
+        response = JSONResponse(body, status_code=status, headers=headers)  # counted once it could be written
         metrics.requests.labels(endpoint, str(status)).inc()
-        return JSONResponse(body, status_code=status, headers=headers)
+        return response
 
     async def read_body(request: Request) -> bytes:
         limit = limits["max_body_bytes"]
@@ -124,33 +143,70 @@ def create_app(embedder, *, model_name: str = "jaxembed", **limits) -> Starlette
 
     async def tokenize(req) -> list[list[int]]:
         """Token ids: short texts right here (a thread hop costs more than they do), long ones in a thread so
-        the event loop goes on accepting meanwhile, or there too while another request holds the tokenizer."""
+        the event loop goes on accepting meanwhile, with their own tokenizer; short ones in a thread too while
+        another short request holds theirs."""
         if req.ids is not None:
             return req.ids
-        if sum(map(len, req.texts)) <= INLINE_TOKENIZE_CHARS and tokenizer_lock.acquire(blocking=False):
+        if sum(map(len, req.texts)) > INLINE_TOKENIZE_CHARS:
+            return await run_in_threadpool(request_ids, embedder, req, long_tokenizer, long_lock)
+        if short_lock.acquire(blocking=False):
             try:
-                return request_ids(embedder, req)
+                return request_ids(embedder, req, short_tokenizer)
             finally:
-                tokenizer_lock.release()
-        return await run_in_threadpool(request_ids, embedder, req, tokenizer_lock)
+                short_lock.release()
+        return await run_in_threadpool(request_ids, embedder, req, short_tokenizer, short_lock)
+
+    async def client_gone(request: Request) -> None:
+        """Returns when the client disconnects (the body has been read: what comes next is the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    def remaining(start: float) -> float:
+        return max(limits["request_timeout"] - (time.perf_counter() - start), 0.0)
 
     async def embeddings(request: Request) -> Response:
+        nonlocal preparing
         start = time.perf_counter()
-        status, job = 500, None
+        status, job, prepared = 500, None, False
         metrics.in_flight.inc()
         try:
             try:
-                req = parse_request(await read_body(request), embedding_dim=embedder.embedding_dim,
-                                    vocab_size=embedder.vocab_size, max_inputs=limits["max_inputs"])
+                # shed load before the costly part (reading, parsing, tokenizing), not after it
+                if batcher.queued >= limits["max_queue"] or preparing >= limits["max_queue"]:
+                    raise QueueFull(f"the request queue is full ({batcher.queued} requests waiting, {preparing} "
+                                    f"being read); retry later")
+                if batcher.stopped is not None:
+                    raise Closed(f"the batch worker stopped ({batcher.stopped})")
+                preparing += 1
+                prepared = True
+                try:
+                    body = await asyncio.wait_for(read_body(request), remaining(start))
+                except TimeoutError:
+                    raise RequestError(408, f"the request body did not arrive within this server's timeout of "
+                                            f"{limits['request_timeout']:g} s", code="timeout") from None
+                req = parse_request(body, embedding_dim=embedder.embedding_dim, vocab_size=embedder.vocab_size,
+                                    max_inputs=limits["max_inputs"])
                 if req.model is not None and req.model != model_name:
                     raise RequestError(404, f"model {req.model!r} is not served here; this server serves "
                                             f"{model_name!r}", param="model", code="model_not_found")
                 ids = await tokenize(req)
                 tokens = check_token_limits(ids, max_input_tokens=limits["max_input_tokens"],
                                             max_request_tokens=limits["max_request_tokens"])
+                preparing -= 1
+                prepared = False
                 job = batcher.submit(ids, tokens)
-                remaining = limits["request_timeout"] - (time.perf_counter() - start)
-                rows = await asyncio.wait_for(job.future, max(remaining, 0.0))
+                watch = asyncio.ensure_future(client_gone(request))
+                try:
+                    done, _ = await asyncio.wait({job.future, watch}, timeout=remaining(start),
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    watch.cancel()
+                if job.future not in done:
+                    batcher.cancel(job)  # its rows are no longer wanted: out of the queue, unless it is running
+                    if watch in done:
+                        raise ClientDisconnect()
+                    raise TimeoutError()
+                rows = job.future.result()
             except RequestError as err:
                 status = err.status
                 return error(status, err.body(), "embeddings")
@@ -178,16 +234,21 @@ def create_app(embedder, *, model_name: str = "jaxembed", **limits) -> Starlette
                 status = 500
                 return error(status, error_body(f"embedding failed: {one_line(err)}", kind="server_error"),
                              "embeddings")
+            # a long response is written in a thread: the event loop goes on accepting meanwhile
+            body = response_body(rows, req, model_name, tokens)
+            content = (render(body) if rows.size <= INLINE_RENDER_VALUES else await run_in_threadpool(render, body))
             status = 200
             metrics.requests.labels("embeddings", "200").inc()
             metrics.inputs.inc(len(ids))
             metrics.tokens.inc(tokens)
-            return JSONResponse(response_body(rows, req, model_name, tokens))
-        except asyncio.CancelledError:  # the client went away: its rows are no longer wanted
+            return Response(content, media_type="application/json")
+        except asyncio.CancelledError:  # the server stops waiting (shutdown): its rows are no longer wanted
             if job is not None:
                 batcher.cancel(job)
             raise
         finally:
+            if prepared:
+                preparing -= 1
             metrics.in_flight.dec()
             metrics.request_seconds.labels(str(status)).observe(time.perf_counter() - start)
 
@@ -197,11 +258,12 @@ def create_app(embedder, *, model_name: str = "jaxembed", **limits) -> Starlette
             {"id": model_name, "object": "model", "created": created, "owned_by": "jaxembed"}]})
 
     async def health(request: Request) -> Response:
-        status = 503 if batcher.closing else 200
+        state = ("worker stopped" if batcher.stopped is not None else "shutting down" if batcher.closing
+                 else "ok")
+        status = 200 if state == "ok" else 503
         metrics.requests.labels("health", str(status)).inc()
-        return JSONResponse({"status": "shutting down" if batcher.closing else "ok", "model": model_name,
-                             "embedding_dim": embedder.embedding_dim, "queued": batcher.queued,
-                             "batches": batcher.batches}, status_code=status)
+        return JSONResponse({"status": state, "model": model_name, "embedding_dim": embedder.embedding_dim,
+                             "queued": batcher.queued, "batches": batcher.batches}, status_code=status)
 
     async def metrics_endpoint(request: Request) -> Response:
         metrics.requests.labels("metrics", "200").inc()

@@ -5,18 +5,23 @@ buckets and chunks vertically), and hands every request its own rows.
 The event loop only appends to the queue and awaits a future; the device work runs in the worker thread
 (JAX releases the GIL while it computes), so the server keeps accepting requests while a batch runs. The
 queue is bounded (`QueueFull`); a request that gives up waiting is taken out of the queue (`cancel`);
-`close` stops taking new requests and returns once the worker has run every queued one.
+`close` stops taking new requests and returns once the worker has run every queued one. A merged batch
+that fails is run again one request at a time, so only the request that fails gets the error. A worker
+that stops on an unexpected error fails what is queued and refuses new requests (`stopped`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+log = logging.getLogger("jaxembed.serve")
 
 
 class QueueFull(RuntimeError):
@@ -69,6 +74,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self.stopped: str | None = None  # why the worker stopped, when it did on an error
         self.batches = 0  # merged batches run so far
 
     @property
@@ -88,6 +94,8 @@ class Batcher:
         """Queue a request (from the event loop's thread); await `job.future` for its rows."""
         job = Job(ids, tokens, asyncio.get_running_loop())
         with self._cond:
+            if self.stopped is not None:
+                raise Closed(f"the batch worker stopped ({self.stopped})")
             if self._closing:
                 raise Closed("the server is shutting down")
             if len(self._queue) >= self.max_queue:
@@ -146,23 +154,43 @@ class Batcher:
             return batch
 
     def _work(self) -> None:
-        while (batch := self._take()) is not None:
-            ids = [seq for job in batch for seq in job.ids]
-            started = time.monotonic()
-            error, out = None, None
-            try:
-                out = self._run(ids)
-            except Exception as err:  # every request of the batch gets it; the worker goes on
-                error = err
-            self.batches += 1
-            if self.metrics is not None:
-                self.metrics.observe_batch(batch, len(ids), started, time.monotonic())
-            offset = 0
-            for job in batch:
-                n = len(job.ids)
-                rows = None if out is None else out[offset: offset + n]
-                offset += n
+        batch: list[Job] = []
+        try:
+            while (batch := self._take()) is not None:
+                ids = [seq for job in batch for seq in job.ids]
+                started = time.monotonic()
                 try:
-                    job.loop.call_soon_threadsafe(_resolve, job.future, rows, error)
-                except RuntimeError:  # its event loop has closed: nobody is waiting
-                    pass
+                    out = self._run(ids)
+                    bounds = np.cumsum([0] + [len(job.ids) for job in batch])
+                    results = [(out[a:b], None) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+                except Exception as err:
+                    # one request's inputs may be what failed: each runs alone, so the others still get their rows
+                    results = [(None, err)] if len(batch) == 1 else [self._run_alone(job) for job in batch]
+                self.batches += 1
+                if self.metrics is not None:
+                    self.metrics.observe_batch(batch, len(ids), started, time.monotonic())
+                for job, (rows, error) in zip(batch, results, strict=True):
+                    _answer(job, rows, error)
+                batch = []
+        except Exception as err:  # a bug outside the model call: fail what waits, refuse what comes
+            log.exception("the batch worker stopped")
+            with self._cond:
+                self.stopped = f"{type(err).__name__}: {err}"
+                waiting, batch = [*batch, *self._queue], []
+                self._queue.clear()
+                self._set_depth()
+            for job in waiting:
+                _answer(job, None, Closed(f"the batch worker stopped ({self.stopped})"))
+
+    def _run_alone(self, job: Job):
+        try:
+            return self._run(list(job.ids)), None
+        except Exception as err:
+            return None, err
+
+
+def _answer(job: Job, rows, error) -> None:
+    try:
+        job.loop.call_soon_threadsafe(_resolve, job.future, rows, error)
+    except RuntimeError:  # its event loop has closed: nobody is waiting
+        pass
