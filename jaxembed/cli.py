@@ -143,7 +143,8 @@ def _cmd_embed_long(args, model) -> int:
         emb = model.encode_stream(_file_blocks(path), prompt=prompt, **options)[None]
         rows = [{"file": str(path), "tokens": model.last_stats["tokens"]}]
     elif args.section_tokens is not None:
-        ids = text_ids(model.tokenizer, path.read_text(encoding="utf-8-sig"), add_special_tokens=False)["input_ids"]
+        with open(path, encoding="utf-8-sig", newline="") as f:  # the file's own line endings, as --stream reads it
+            ids = text_ids(model.tokenizer, f.read(), add_special_tokens=False)["input_ids"]
         n = args.section_tokens
         sections = [list(ids[i: i + n]) for i in range(0, len(ids), n)]
         if sections:  # as encode_sections: the tokenizer's leading special ids (BOS) and the prompt's before section 0

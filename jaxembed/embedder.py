@@ -27,7 +27,7 @@ from jaxembed import models
 from jaxembed.errors import TruncationWarning, check_bool, check_positive_int, warn_every_time
 from jaxembed.kernels import check_backend
 from jaxembed.quantize import check_output_options, quantize_embeddings, truncate_embeddings
-from jaxembed.schedule import check_chunk_sizes, embed
+from jaxembed.schedule import _check_vertical, check_chunk_sizes, embed
 from jaxembed.text import (  # noqa: F401  (re-exported: the embedder's public names)
     MIN_BUCKET,
     QUERY_TEMPLATE,
@@ -274,9 +274,10 @@ class Embedder:
                 stream.feed(([last] if last is not None else []) + ids[:-1])
                 last = ids[-1]
                 bar.update(len(ids))
-        if last is None:
-            raise ValueError("the stream has no text (no pieces, or only empty ones)")
-        tail = [last] if last == self.eos_token_id else [last, self.eos_token_id]
+        if last is None:  # an empty text: as encode(""), the tokenizer's own special ids and EOS
+            tail = tokenize_texts(self.tokenizer, [""], self.eos_token_id)[0][0]
+        else:
+            tail = [last] if last == self.eos_token_id else [last, self.eos_token_id]
         out = np.asarray(stream.embedding(tail), np.float32)
         self.last_stats = {"tokens": stream.tokens + len(stream.pending) + len(tail)}
         _check_finite(out[None], np.arange(1), 1, self.last_stats["tokens"])
@@ -368,6 +369,7 @@ class Embedder:
                 return None  # attention: horizontal only
             return default_vertical_chunk_size(batch_size, self.chunk_size)
         check_chunk_sizes(vertical_chunk_size, self.chunk_size)
+        _check_vertical(self.config, vertical_chunk_size)  # whatever the lengths: short batches never reach V
         return None if vertical_chunk_size is None else int(vertical_chunk_size)
 
     def encode_ids(

@@ -99,6 +99,8 @@ class StateStream:
     def embedding(self, tail: Sequence[int]) -> jax.Array:
         """The embedding of (everything fed) + pending + tail, tail ending in EOS; the states are unchanged."""
         ids = self.pending + [int(i) for i in tail]
+        if not ids:  # the pooled id must run from the states: one that is already in them has no output here
+            raise ValueError("embedding() needs at least one id not yet in the states (pending or tail)")
         padded = np.zeros((1, bucket_length(len(ids), self.runtime.chunk_size)), np.int32)
         padded[0, : len(ids)] = ids
         return _pool_from(self.params, self.config, padded, np.int32(len(ids)), self.states, self.runtime,
@@ -116,18 +118,18 @@ def embed_stream(params, config, id_pieces: Iterable[Sequence[int]], *, vertical
     computed V tokens at a time from carried states, in memory independent of the total length."""
     stream = StateStream(params, config, vertical_chunk_size=vertical_chunk_size, normalize=normalize,
                          runtime=Runtime(config.chunk_size if chunk_size is None else chunk_size, kernels))
-    total = 0
+    last: list[int] = []  # the newest id, held back: it is pooled, so it must run in the final block
     for i, piece in enumerate(id_pieces):
         if len(piece):
             try:
                 check_token_ids([piece], config.vocab_size)
             except (TypeError, ValueError) as err:
                 raise type(err)(f"piece {i}: {err}") from None
-        stream.feed(piece)
-        total += len(piece)
-    if not total:
+            stream.feed([*last, *piece[:-1]])
+            last = [int(piece[-1])]
+    if not last:
         raise ValueError("no token ids to embed (every piece was empty)")
-    return stream.embedding([])
+    return stream.embedding(last)
 
 
 def embed_section_stream(params, config, sections: Iterable[Sequence[int]], eos: int, *,

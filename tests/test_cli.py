@@ -87,6 +87,14 @@ def test_embed_stream_and_sections_of_a_file(hf_model_dir, tmp_path, capsys):
     assert len(rows) == -(-len(all_ids) // 5) and rows[-1]["tokens"] == [5 * (len(rows) - 1), len(all_ids)]
     last = model.encode_ids([all_ids + [model.eos_token_id]], vertical_chunk_size=None)[0]
     np.testing.assert_allclose(rows[-1]["embedding"], last, atol=2e-6)
+    crlf = tmp_path / "crlf.txt"  # the file's own line endings, as --stream reads them (they were made \n)
+    crlf.write_bytes(src.read_bytes().replace(b"\n", b"\r\n"))
+    assert main(["embed", "--model", str(path), "--sections", str(crlf), "--section-tokens", "5", "--quiet"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    raw_ids = model.tokenizer(crlf.read_bytes().decode(), add_special_tokens=False)["input_ids"]
+    assert len(raw_ids) > len(all_ids) and rows[-1]["tokens"][1] == len(raw_ids)
+    np.testing.assert_allclose(rows[-1]["embedding"], model.encode_ids([raw_ids + [model.eos_token_id]],
+                                                                       vertical_chunk_size=None)[0], atol=2e-6)
 
     assert main(["embed", "--model", str(path), "--sections", str(src), "--quiet"]) == 2
     assert "--sections needs --separator LINE or --section-tokens N" in capsys.readouterr().err

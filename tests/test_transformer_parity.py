@@ -57,6 +57,8 @@ def test_transformer_matches_transformers(name, tmp_path):
     if cls_name == "MistralModel":
         with pytest.raises(ValueError, match="run horizontally only"):
             emb.encode_ids(seqs, vertical_chunk_size=64)
+        with pytest.raises(ValueError, match="run horizontally only"):  # also when no input is longer than V
+            emb.encode_ids([[1, 2, 3]], vertical_chunk_size=64)
     if cls_name == "Qwen2Model":  # `jaxembed convert --verify` builds its own reference from the source tensors
         from jaxembed.convert import convert
 
