@@ -1,8 +1,9 @@
 """Command line: `jaxembed convert SRC DST`, `jaxembed embed --model PATH [FILES]`, `jaxembed train CONFIG.yaml`,
 `jaxembed corpus stdlib|packages OUT_DIR`, `jaxembed tokenizer TRAIN.jsonl OUT_DIR --vocab-size N`,
 `jaxembed mine IN.jsonl OUT.jsonl --negatives K` (hard negatives by BM25
-or a model), `jaxembed eval --model PATH --benchmark NAME | --tasks A,B` and
-`jaxembed bench NAME` (chunk-size, vertical-chunk-size, model-comparison)."""
+or a model), `jaxembed eval --model PATH --benchmark NAME | --tasks A,B`,
+`jaxembed bench NAME` (chunk-size, vertical-chunk-size, model-comparison), `jaxembed serve --model PATH`
+(an OpenAI-compatible embeddings server) and `jaxembed export MODEL DST` (back to the source layout)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import codecs
 import io
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -298,6 +300,12 @@ def cmd_corpus(args) -> int:
     return 0
 
 
+def escaped(value: str) -> str:
+    """A template or instruction from the command line: \\n, \\t and \\\\ as the characters they stand for (a
+    shell's quotes keep a backslash, and a literal "\\n" in a template would change every query silently)."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxembed", description=__doc__,
                                      epilog="jaxembed --debug COMMAND ...: show tracebacks instead of one-line errors")
@@ -309,8 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: as stored)")
     p.add_argument("--verify", action="store_true", help="compare with the PyTorch model on a few sequences")
     p.add_argument("--tokenizer", default=None, help="tokenizer path or hub id to store with the model")
-    p.add_argument("--query-template", default=None, help='query template, default "Instruction: {prompt}\\nQuery: "')
-    p.add_argument("--default-instruction", default=None, help="instruction used by encode_query when none is given")
+    p.add_argument("--query-template", type=escaped, default=None,
+                   help='query template, default "Instruction: {prompt}\\nQuery: " (\\n, \\t, \\\\ read as escapes)')
+    p.add_argument("--default-instruction", type=escaped, default=None,
+                   help="instruction used by encode_query when none is given (\\n, \\t, \\\\ read as escapes)")
     p.add_argument("--overwrite", action="store_true", help="replace a jaxembed checkpoint already at DST (atomically)")
     p.add_argument("--revision", default=None, help="hub ids: the branch, tag or commit to download (default: main)")
     p.set_defaults(func=cmd_convert)
@@ -322,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --output file (atomically), or another run's --output-dir embeddings")
     p.add_argument("--query", action="store_true", help="texts are queries: apply the instruction template")
-    p.add_argument("--instruction", default=None, help="instruction for --query")
+    p.add_argument("--instruction", type=escaped, default=None,
+                   help="instruction for --query (\\n, \\t and \\\\ are read as escapes)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-length", type=int, default=None, help="truncate longer texts (with a warning)")
     p.add_argument("--max-tokens-per-batch", type=int, default=None)
@@ -392,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offline tasks from a jsonl of {query, positive[, negatives, module, name]} rows "
                         "(`jaxembed corpus stdlib` writes them; the trainer's {query, positive} data works too)")
     p.add_argument("--output", default="results",
-                   help="mteb result cache folder (results/<model>/<revision>/<task>.json)")
+                   help="mteb result cache folder (OUTPUT/results/<org>__<model>/<revision>/<Task>.json)")
     p.add_argument("--name", default=None, help="model name in the results, 'org/model' (default: jaxembed/<dir name>)")
     p.add_argument("--revision", default=None,
                    help="model revision in the results (default: fp-<hash of the model's tensors and the eval "
@@ -402,8 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--instructions", choices=["paper", "paper-only", "none"], default="paper",
                    help="paper: Appendix H, then the task's own mteb prompt; paper-only; none")
-    p.add_argument("--template", default=None, help="'paper', 'e5' or a string with {prompt} (default: the model's)")
-    p.add_argument("--overwrite", choices=["always", "never", "only-missing", "only-cache"], default="only-missing")
+    p.add_argument("--template", type=escaped, default=None,
+                   help="'paper', 'e5' or a string with {prompt} (default: the model's; \\n, \\t, \\\\: escapes)")
+    p.add_argument("--overwrite", choices=["always", "never", "only-missing", "only-cache"], default="only-missing",
+                   help="mteb's strategy for results already under --output: only-missing (default) runs the "
+                        "missing splits, always reruns everything, never skips a task whose results are there, "
+                        "only-cache runs nothing")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--skip-data-check", action="store_true", help="do not load every dataset before encoding")
@@ -454,6 +469,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"jaxembed {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader stopped (`| head`): quiet, as other command-line tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141
     except Exception as err:
         if debug:
             raise
@@ -475,7 +493,15 @@ def one_line(err: BaseException) -> str:
         return first
     if isinstance(err, OSError) and err.filename:
         return f"{err.filename}: {err.strerror or first}"
+    extra = EXTRAS.get((getattr(err, "name", None) or "").split(".")[0]) if isinstance(err, ImportError) else None
+    if extra:
+        return f"{first}: pip install 'jaxembed[{extra}]'"
     return f"{type(err).__name__}: {first} (run `jaxembed --debug ...` for the traceback)"
+
+
+# the optional dependencies, by the extra that installs them (pyproject.toml)
+EXTRAS = {"mteb": "eval", "matplotlib": "bench", "mamba2_jax": "bench", "torch": "torch", "tensorboardX": "tensorboard",
+          **dict.fromkeys(("starlette", "uvicorn", "prometheus_client", "orjson"), "serve")}
 
 
 if __name__ == "__main__":

@@ -214,7 +214,7 @@ class Embedder:
 
     def warmup(self, max_length: int, *, batch_size: int = 32, vertical_chunk_size: int | None | str = "auto",
                max_tokens_per_batch: int | None = None, normalize_embeddings: bool = True,
-               partial_batches: bool = False) -> list[tuple[int, int]]:
+               partial_batches: bool = False, show_progress_bar: bool | None = None) -> list[tuple[int, int]]:
         """Compile ahead the programs `encode(..., batch_size=...)` runs for texts of up to `max_length` tokens
         (EOS included): one per length bucket (`bucket_length`: powers of two up to Q, then Q times 1, 2, 3, 4,
         6, 8, 12, ...; at most 2x padding, 1.25x beyond 32Q), for a full batch, and with partial_batches also
@@ -226,7 +226,8 @@ class Embedder:
         check_positive_int("batch_size", batch_size)
         budget = max_tokens_per_batch if max_tokens_per_batch is not None else self.max_tokens_per_batch
         shapes = batch_shapes(max_length, batch_size, budget, self.chunk_size, partial_batches=partial_batches)
-        for rows, length in shapes:
+        for rows, length in tqdm(shapes, desc="compiling", unit="shape",
+                                 disable=None if show_progress_bar is None else not show_progress_bar):
             # one call on zeros (AOT `lower().compile()` would not fill jit's own cache of programs)
             jax.block_until_ready(self._embed_batch(np.zeros((rows, length), np.int32), np.ones(rows, np.int32),
                                                     vertical_chunk_size, normalize_embeddings))

@@ -14,6 +14,7 @@ import yaml
 
 from jaxembed.bench import sweep as sweeps
 from jaxembed.cli import main
+from jaxembed.errors import SpecError
 from jaxembed.testing import TINY_CONFIGS
 
 TINY_MODELS = {
@@ -104,7 +105,7 @@ def test_bad_specs_name_the_problem(tmp_path, capsys):
     spec = str(write_spec(tmp_path, [{"label": "m", "config": "mamba2.yaml", "vertical_chunk_size": {1: 32}}]))
     assert "no entry for batch 2" in error(spec)
     assert "no settings for platform 'gpu'" in error(spec, platform="gpu")
-    assert "--series ['x']" in error(spec, "--series", "x")
+    assert "--series 'x' is not one of the spec's series ['m']" in error(spec, "--series", "x")
     # options that could not measure anything: named before any point runs
     good = str(write_spec(tmp_path, [{"label": "m", "config": "mamba2.yaml"}]))
     for option, value, why in (("--repeats", "0", "--repeats must be at least 1, got 0"),
@@ -115,6 +116,20 @@ def test_bad_specs_name_the_problem(tmp_path, capsys):
         assert why in error(good, option, value), option
     assert "--platform gpu: jax sees no GPU here" in error("chunk-size", platform="gpu")  # the spec has gpu points
     assert not (tmp_path / "o").exists()  # nothing ran
+
+
+def test_series_labels_with_commas_can_be_chosen():
+    """The bundled model-comparison spec names "Mamba2 (Codestral, scaled)": --series splits on commas, so a
+    label that holds one could not be chosen."""
+    from jaxembed.bench import split_labels
+
+    labels = [s.label for s in sweeps.load_sweep("model-comparison", "cpu").series]
+    wanted = ["Mamba2 (Codestral, scaled)", "Mistral v0.1 (window 4096, scaled)"]
+    assert set(wanted) <= set(labels)
+    assert split_labels(",".join(wanted), labels) == wanted
+    assert split_labels(f" {wanted[1]} ", labels) == wanted[1:]
+    with pytest.raises(SpecError, match=r"--series 'Mamba2 \(Codestral' is not one of"):
+        split_labels("Mamba2 (Codestral", labels)
 
 
 def test_gpu_rows_report_the_device_allocator_peak():

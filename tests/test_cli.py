@@ -138,3 +138,37 @@ def test_options_that_do_not_apply_are_refused_and_a_byte_order_mark_is_not_text
     from jaxembed.embed_corpus import load_corpus_embeddings
 
     np.testing.assert_allclose(load_corpus_embeddings(tmp_path / "c")[0], expected, atol=1e-6)
+
+
+def test_templates_and_instructions_read_backslash_escapes():
+    """`--query-template "Instruct: {prompt}\nQuery: "` in a shell passes a backslash and an n: stored as such,
+    every query embedding changed silently. \\n, \\t and \\\\ are read as the characters they stand for."""
+    from jaxembed.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["convert", "a", "b", "--query-template", r"Instruct: {prompt}\nQuery: ",
+                              "--default-instruction", r"Find\tit"])
+    assert (args.query_template, args.default_instruction) == ("Instruct: {prompt}\nQuery: ", "Find\tit")
+    args = parser.parse_args(["embed", "--model", "m", "--query", "--instruction", r"a\\n b\q"])
+    assert args.instruction == "a\\n b\\q"  # an escaped backslash stays one; an unknown escape is left alone
+
+
+def test_a_missing_extra_is_named_and_a_closed_pipe_is_quiet():
+    """`jaxembed eval` without mteb said only "ModuleNotFoundError: No module named 'mteb'"; `jaxembed ... | head`
+    ended in "error: BrokenPipeError" (exit 2)."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxembed.cli import one_line
+
+    assert one_line(ModuleNotFoundError("No module named 'mteb'", name="mteb")) == \
+        "No module named 'mteb': pip install 'jaxembed[eval]'"
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        done = subprocess.run([sys.executable, "-m", "jaxembed.cli", "bench", "--list"], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")

@@ -471,9 +471,11 @@ def test_limits_a_worker_cannot_keep_are_refused_up_front(embedder, tmp_path, ca
 
 
 def test_cli_serves_on_loopback_and_drains_on_sigterm(embedder, hf_model_dir):
-    """`jaxembed serve` in a subprocess: a request in flight when SIGTERM arrives still gets its embedding."""
+    """`jaxembed serve` in a subprocess: a request in flight when SIGTERM arrives still gets its embedding. The
+    warmup (one shape here) says what it does and did: jaxembed's log lines had no handler and never showed."""
     proc = subprocess.Popen([sys.executable, "-m", "jaxembed.cli", "serve", "--model", str(hf_model_dir[0]),
-                             "--port", "0", "--served-model-name", "tiny", "--no-access-log"],
+                             "--port", "0", "--served-model-name", "tiny", "--no-access-log", "--batch-size", "1",
+                             "--warmup-max-length", "1"],
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     lines = []
     try:
@@ -506,6 +508,8 @@ def test_cli_serves_on_loopback_and_drains_on_sigterm(embedder, hf_model_dir):
     reader.join(10)
     log = "".join(lines)
     assert "Shutting down" in log and "Finished server process" in log, log
+    assert "INFO:     warming up: compiling every batch shape for inputs up to 1 tokens" in log, log
+    assert re.search(r"INFO:     warmed up 1 batch shapes for inputs up to 1 tokens in [\d.]+ s", log), log
     np.testing.assert_allclose(rows(result["r"])[0], embedder.encode(TEXTS[0]), atol=1e-5)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health", timeout=5)

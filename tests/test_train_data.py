@@ -197,6 +197,8 @@ def test_report_summary_is_one_line():
     r = DataReport(rows=5, kept=3, dropped_empty={"x": 1}, dropped_few_negatives={"y": 1}, unused_negatives=2,
                    negatives_per_query=1, kept_by_source={"x": 3})
     assert "\n" not in r.summary() and "kept 3 (x 3)" in r.summary()
+    r0 = DataReport(rows=5, kept=5, unused_negatives=5, negatives_per_query=0)  # read "more than 0 (the first 0)"
+    assert "5 rows had negatives, unused (negatives_per_query is 0)" in r0.summary()
 
 
 # ------------------------------------------------------------------------------------------ stdlib corpus

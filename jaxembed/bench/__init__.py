@@ -36,6 +36,10 @@ def cmd_bench(args) -> int:
     if not args.sweep:
         raise SpecError("name a sweep (" + ", ".join(available()) + ") or a spec .yaml; --list shows them")
     _check_options(args)
+    try:  # the figure is drawn after every point ran: a missing plotting library is named before
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SpecError("jaxembed bench draws its figure with matplotlib: pip install 'jaxembed[bench]'") from None
     found = sweeps.detect_platform()
     platform = args.platform if args.platform != "auto" else found
     sweep = _narrow(load_sweep(args.sweep, platform), args)
@@ -110,9 +114,20 @@ def _narrow(sweep, args):
         lengths = {b: chosen for b in lengths}
     series = sweep.series
     if args.series:
-        names = [s.strip() for s in args.series.split(",") if s.strip()]
-        unknown = [n for n in names if n not in {s.label for s in series}]
-        if unknown:
-            raise SpecError(f"--series {unknown}: the spec's series are {[s.label for s in series]}")
+        names = split_labels(args.series, [s.label for s in series])
         series = tuple(s for s in series if s.label in names)
     return dataclasses.replace(sweep, lengths=lengths, series=series)
+
+
+def split_labels(value: str, labels: list[str]) -> list[str]:
+    """--series "A,B": the labels it names, comma-separated; a label may itself hold commas
+    ("Mamba2 (Codestral, scaled)"), so pieces are joined back while they make no label."""
+    names, current = [], None
+    for piece in value.split(","):
+        current = piece if current is None else f"{current},{piece}"
+        if current.strip() in labels:
+            names.append(current.strip())
+            current = None
+    if current is not None and current.strip():
+        raise SpecError(f"--series {current.strip()!r} is not one of the spec's series {labels}")
+    return names

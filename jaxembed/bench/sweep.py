@@ -38,7 +38,8 @@ import yaml
 from jaxembed.bench import measure
 from jaxembed.errors import SpecError
 
-SPEC_DIR = Path(__file__).resolve().parents[2] / "configs" / "bench"
+SPEC_DIRS = (Path(__file__).resolve().parents[2] / "configs" / "bench",  # a checkout (editable install)
+             Path("configs") / "bench")  # else the checkout the command runs in (the specs name its model configs)
 PLATFORMS = ("cpu", "gpu")
 CSV_FIELDS = ["sweep", "platform", "device", "series", "architecture", "config", "dtype", "batch", "length",
               "chunk_size", "vertical_chunk_size", "status", "mean_s", "min_s", "max_s", "times_s", "tokens_per_s",
@@ -76,8 +77,15 @@ class Sweep:
     series: tuple
 
 
+def spec_dir() -> Path | None:
+    """Where the named sweeps are: the repository's configs/bench (beside the package, or in the working
+    directory: a non-editable install has no configs of its own)."""
+    return next((d for d in SPEC_DIRS if d.is_dir()), None)
+
+
 def available() -> list[str]:
-    return sorted(p.stem for p in SPEC_DIR.glob("*.yaml"))
+    directory = spec_dir()
+    return [] if directory is None else sorted(p.stem for p in directory.glob("*.yaml"))
 
 
 def spec_path(name_or_path: str) -> Path:
@@ -86,11 +94,16 @@ def spec_path(name_or_path: str) -> Path:
         if not path.is_file():
             raise SpecError(f"sweep spec {path} does not exist")
         return path.resolve()
-    path = SPEC_DIR / f"{name_or_path}.yaml"
+    directory = spec_dir()
+    if directory is None:
+        raise SpecError(f"no sweep named {name_or_path!r}: the named sweeps are the repository's configs/bench/*.yaml, "
+                        "and there is none beside this installation or in the working directory; run from a "
+                        "checkout, or pass a spec .yaml")
+    path = directory / f"{name_or_path}.yaml"
     if not path.is_file():
         raise SpecError(f"no sweep named {name_or_path!r}; named sweeps: {', '.join(available())} "
                         f"(or pass a spec .yaml)")
-    return path
+    return path.resolve()
 
 
 def load_sweep(name_or_path: str, platform: str) -> Sweep:

@@ -261,7 +261,8 @@ def add_parser(sub):
                                       "tokenizer) for transformers / fla")
     p.add_argument("model", help="jaxembed model directory (jaxembed convert, or the trainer's export)")
     p.add_argument("dst", help="output directory")
-    p.add_argument("--format", default="hf", help="hf: transformers' layout (Mamba2, xLSTM), fla-hub's (RWKV7)")
+    p.add_argument("--format", default="hf",
+                   help="hf: transformers' layout (Mamba2, xLSTM, Mistral, Qwen2), fla-hub's (RWKV7)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="cast weights (default: as stored)")
     p.add_argument("--overwrite", action="store_true", help="replace a model already at DST (atomically)")
     p.set_defaults(func=cmd_export)

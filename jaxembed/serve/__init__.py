@@ -108,6 +108,10 @@ def cmd_serve(args) -> int:
     import jaxembed
 
     limits = limits_from_args(args)  # before loading a model
+    handler = logging.StreamHandler()  # jaxembed.serve's lines (warmup, a stopped worker) beside uvicorn's
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    logging.getLogger("jaxembed").addHandler(handler)
+    logging.getLogger("jaxembed").setLevel(args.log_level.upper())
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be 0 to 65535, got {args.port}")
     check_positive_int("--shutdown-timeout", args.shutdown_timeout)

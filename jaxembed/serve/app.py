@@ -108,6 +108,8 @@ def create_app(embedder, *, model_name: str = "jaxembed", **limits) -> Starlette
     async def lifespan(app):
         if limits["warmup_max_length"] is not None:
             start = time.perf_counter()
+            log.info("warming up: compiling every batch shape for inputs up to %d tokens (or reading them from "
+                     "the compilation cache)", limits["warmup_max_length"])
             shapes = await run_in_threadpool(
                 embedder.warmup, limits["warmup_max_length"], batch_size=limits["batch_size"],
                 max_tokens_per_batch=limits["max_tokens_per_batch"], vertical_chunk_size=limits["vertical_chunk_size"],

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -181,6 +182,12 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("python -m jaxembed.testing builds the model with PyTorch: pip install 'jaxembed[torch]'",
+              file=sys.stderr)
+        return 2
     tokenizer = make_tokenizer(512)
     model = make_hf_mamba2(seed=args.seed, vocab_size=len(tokenizer), hidden_size=args.hidden_size,
                            num_hidden_layers=args.layers, chunk_size=args.chunk_size, n_groups=2)

@@ -70,7 +70,8 @@ class DataReport:
         if few:
             parts.append(f"dropped {few} with fewer than {k} negatives ({by_source(self.dropped_few_negatives)})")
         if self.unused_negatives:
-            parts.append(f"{self.unused_negatives} rows had more than {k} negatives (the first {k} used)")
+            parts.append(f"{self.unused_negatives} rows had more than {k} negatives (the first {k} used)" if k else
+                         f"{self.unused_negatives} rows had negatives, unused (negatives_per_query is 0)")
         return "; ".join(parts)
 
 
