@@ -283,6 +283,21 @@ def test_layer0_value_lora_is_optional_and_ignored(blinkdl_model, tmp_path):
         assert not np.asarray(with_params["layers"][name][0]).any()  # layer 0's slot: zeros, never read
 
 
+@pytest.mark.parametrize("layout", ["blinkdl", "fla"])
+def test_one_layer_model_matches_blinkdl(layout, tmp_path):
+    """With one layer no tensor supplies the value-residual params (layer 0 never reads them): they are
+    zeros, as in deeper models (they were missing, and encode failed with KeyError 'v1'). BlinkDL's file
+    without layer 0's unused v0/v1/v2, fla's layout with them."""
+    state = make_blinkdl_rwkv7(seed=4, vocab_size=90, d_model=64, n_layers=1, d_ffn=128,
+                               layer0_value_lora=layout == "fla")
+    (save_blinkdl_layout if layout == "blinkdl" else save_fla_layout)(state, tmp_path)
+    emb = jaxembed.load(tmp_path, chunk_size=Q)
+    assert not any(np.asarray(emb.params["layers"][name]).any() for name in ("v0", "v1", "v2"))
+    seqs = random_seqs(90, (1, Q + 3), seed=5)
+    out = emb.encode_ids(seqs, normalize_embeddings=False, batch_size=len(seqs))
+    assert max(rel_err(o, r) for o, r in zip(out, blinkdl_last_hidden(state, seqs), strict=True)) < TOLERANCE["float32"]
+
+
 # ---- broken checkpoints and configs ---------------------------------------------------------------
 
 

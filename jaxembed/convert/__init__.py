@@ -80,6 +80,7 @@ def read_checkpoint(src, *, dtype=None, progress: bool = False, revision: str | 
         ignore=layouts.ignored_keys(config),
         dtype_for=_dtype_rule(config, _parse_dtype(dtype)),
         progress=progress,
+        zero_filled=getattr(layouts, "ZERO_FILLED", ()),
     )
     return Checkpoint(config, params, layout, directory, files, layouts)
 

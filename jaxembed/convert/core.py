@@ -135,11 +135,14 @@ def convert_tensors(
     ignore: list[str] = (),
     dtype_for: Callable[[str, np.dtype], np.dtype],
     progress: bool = False,
+    zero_filled: tuple[str, ...] = (),
 ) -> dict:
     """Apply `rules` to `source`, checked against `shapes` (the params shape template).
 
     Rules whose path is not in the template are inactive (an untied lm_head, absent biases);
-    keys matching `ignore` (regexes on normalised keys) are dropped on purpose.
+    keys matching `ignore` (regexes on normalised keys) are dropped on purpose. `zero_filled`: stacked
+    params whose layers without a tensor are zeros by design (RWKV7's value residual in layer 0), made
+    zeros also when no layer has one.
     """
     names = normalise_keys(source.keys(), renames)
     active = [r for r in rules if _leaf(shapes, r.path) is not None]
@@ -201,6 +204,9 @@ def convert_tensors(
                     leaf = _write_layer(leaf, np.asarray(array, dtype), i)
                 bar.update(1)
             _set(params, rule.path, leaf)
+    for path in zero_filled:
+        if _leaf(shapes, path) is not None and _leaf(params, path) is None:
+            _set(params, path, jnp.zeros(_leaf(shapes, path), dtype_for(path, np.dtype(np.float32))))
     return params
 
 

@@ -109,6 +109,10 @@ def rules_for(cfg: RWKV7Config) -> list[Rule]:
     return RULES
 
 
+# stacked params that layer 0 holds as zeros (it never reads them): with one layer no tensor supplies them at all
+ZERO_FILLED = tuple(f"layers/{name}" for name in VALUE_RESIDUAL)
+
+
 def ignored_keys(cfg: RWKV7Config) -> list[str]:
     return [r"unused\..*"]
 

@@ -133,11 +133,12 @@ def fla_config(state: dict, *, eos_token_id: int = 0, norm_eps: float = 1e-5) ->
     n_layers = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
     f = state["blocks.0.ffn.key.weight"].shape[0]
     v_key = "blocks.1.att.v1" if n_layers > 1 else "blocks.0.att.v1"
+    v_rank = state[v_key].shape[1] if v_key in state else 16  # one layer without layer 0's: any rank (never read)
     return {
         "model_type": "rwkv7", "architectures": ["RWKV7ForCausalLM"], "attn_mode": "chunk", "hidden_size": d,
         "hidden_ratio": f / d, "intermediate_size": f, "num_hidden_layers": n_layers, "head_dim": n, "num_heads": h,
         "decay_low_rank_dim": state["blocks.0.att.w1"].shape[1], "gate_low_rank_dim": state["blocks.0.att.g1"].shape[1],
-        "a_low_rank_dim": state["blocks.0.att.a1"].shape[1], "v_low_rank_dim": state[v_key].shape[1],
+        "a_low_rank_dim": state["blocks.0.att.a1"].shape[1], "v_low_rank_dim": v_rank,
         "hidden_act": "sqrelu", "max_position_embeddings": 2048, "norm_first": True, "norm_bias": True,
         "norm_eps": norm_eps, "attn": None, "use_cache": True, "pad_token_id": None, "bos_token_id": 0,
         "eos_token_id": eos_token_id, "tie_word_embeddings": False, "initializer_range": 0.02, "fuse_norm": True,
