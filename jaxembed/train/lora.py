@@ -207,6 +207,22 @@ def merge(params, adapters, lora: LoraConfig, config):
     return densify(apply(params, adapters, lora, config))
 
 
+def merge_rounding(params, adapters, lora: LoraConfig, config) -> dict[str, float]:
+    """For each adapted matrix stored below float32: the share of its update s A B that casting the merged
+    float32 sum back to the stored dtype loses, |round(W + s A B) - (W + s A B)| / |s A B| (bfloat16 keeps
+    8 bits of W: an update much smaller than W is mostly rounded away)."""
+    out = {}
+    for name, leaf in apply(params, adapters, lora, config)["layers"].items():
+        if not isinstance(leaf, LoraWeight) or jnp.dtype(leaf.dtype) == F32:
+            continue
+        update = leaf.scale * jnp.matmul(leaf.a, leaf.b, precision="highest")
+        exact = densify(leaf.base).astype(F32) + update
+        norm = float(jnp.linalg.norm(update))
+        if norm > 0:
+            out[name] = float(jnp.linalg.norm(exact.astype(leaf.dtype).astype(F32) - exact)) / norm
+    return out
+
+
 def quantize_base(config, params, names=None, block_size: int | None = None):
     """params with the family's linear layer matrices (or `names`) in NF4."""
     from jaxembed.train.quant import BLOCK_SIZE, quantize_nf4

@@ -39,6 +39,7 @@ from jaxembed.train import lora as lora_lib
 from jaxembed.train import pipeline
 from jaxembed.train import sharding as sh
 from jaxembed.train.config import TrainConfig
+from jaxembed.train.quant import NF4Weight
 from jaxembed.train.step import (
     BATCH_KEYS,
     StepConfig,
@@ -50,6 +51,7 @@ from jaxembed.train.step import (
 )
 
 KILL_AFTER_STEP_ENV = "JAXEMBED_TRAIN_KILL_AFTER_STEP"  # test hook: SIGKILL this process after that step
+MERGE_ROUNDING_WARN = 0.1  # the share of an adapter's update the export may round away before it warns
 
 
 def initialize_distributed(cfg: TrainConfig) -> None:
@@ -106,10 +108,12 @@ def init_params(config, m):
 def _tokenizer(spec, directory):
     if isinstance(spec, str) and spec.startswith("stdlib-bpe:"):
         from jaxembed.testing import make_tokenizer
+        from jaxembed.train.tokenizer import SPECIAL_TOKENS
 
-        size = spec.split(":", 1)[1]
-        if not size.isdigit() or int(size) < 1:
-            raise ConfigError(f"model.tokenizer: {spec!r}: stdlib-bpe:N takes a vocabulary size N, a positive integer")
+        size, least = spec.split(":", 1)[1], 256 + len(SPECIAL_TOKENS)  # the byte alphabet and the special tokens
+        if not size.isdigit() or int(size) < least:
+            raise ConfigError(f"model.tokenizer: {spec!r}: stdlib-bpe:N takes a vocabulary size N of at least {least} "
+                              f"(256 bytes and {len(SPECIAL_TOKENS)} special tokens)")
         return make_tokenizer(int(size))
     return load_tokenizer(spec, directory)
 
@@ -639,13 +643,37 @@ class Trainer:
 
     # ---- export -----------------------------------------------------------------------
     def merged_params(self):
-        """The stored weights with the adapters folded in (float32 sum, cast back to each leaf's stored dtype)."""
+        """The weights training ran on with the adapters folded in (float32 sum, cast back to each leaf's stored
+        dtype): the stored weights, with QLoRA's quantised matrices as training saw them (`_export_base`). A
+        stored dtype that rounds away much of an update (bfloat16) is warned about, naming the matrices."""
         from jax.experimental import multihost_utils
 
-        adapters = multihost_utils.process_allgather(self.state.adapters, tiled=True)
-        host = lora_lib.merge(jax.tree.map(jnp.asarray, self.stored_params), jax.tree.map(jnp.asarray, adapters),
-                              self.lora, self.config)
-        return jax.tree.map(np.asarray, host)
+        adapters = jax.tree.map(jnp.asarray, multihost_utils.process_allgather(self.state.adapters, tiled=True))
+        base = self._export_base()
+        lost = {name: share for name, share in lora_lib.merge_rounding(base, adapters, self.lora, self.config).items()
+                if share > MERGE_ROUNDING_WARN}
+        if lost:
+            warnings.warn("export: casting the merged weights back to their stored dtype rounds away part of the "
+                          "adapters' update: " + ", ".join(f"{name} {share:.0%}" for name, share in lost.items())
+                          + ". Train from a float32 copy of the base (model.dtype: bfloat16 still computes in "
+                          "bf16) to export the update whole", UserWarning, stacklevel=2)
+        return jax.tree.map(np.asarray, lora_lib.merge(base, adapters, self.lora, self.config))
+
+    def _export_base(self):
+        """The stored weights, each NF4-quantised matrix replaced by its dequantised values (what every step and
+        evaluation multiplied by) in the stored dtype: the adapters were fitted to those, so merging them there
+        exports the model that was trained and evaluated, not the float base that none of it saw."""
+        from jax.experimental import multihost_utils
+
+        stored = jax.tree.map(jnp.asarray, self.stored_params)
+        if self.cfg.quantization != "nf4":
+            return stored
+        layers = dict(stored["layers"])
+        for name, leaf in self.base["layers"].items():
+            if isinstance(leaf, NF4Weight):
+                nf4 = multihost_utils.process_allgather(leaf, tiled=True)
+                layers[name] = jnp.asarray(nf4.dense()).astype(layers[name].dtype)
+        return {**stored, "layers": layers}
 
     def export(self, directory=None) -> Path | None:
         """Write the merged model (orbax + jaxembed.json + tokenizer); `jaxembed.load` reads it."""
