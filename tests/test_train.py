@@ -536,7 +536,8 @@ def test_resume_refuses_another_base_schedule_or_a_damaged_checkpoint(tmp_path):
     rows = [{"query": f"query {i} " * 3, "positive": f"the text of document {i} " * 4, "negatives": ["other " * 5]}
             for i in range(16)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "h.jsonl").write_text("".join(json.dumps({**r, "negatives": ["  "]}) + "\n" for r in rows[:5]))
+    (tmp_path / "h.jsonl").write_text("".join(json.dumps({**r, "query": "held " + r["query"], "negatives": ["  "]})
+                                              + "\n" for r in rows[:5]))
     raw = {"model": {"init": str(ROOT / "configs/models/tiny-train-mamba2.yaml"), "tokenizer": "stdlib-bpe:258"},
            "data": {"train": str(tmp_path / "d.jsonl"), "heldout": str(tmp_path / "h.jsonl"), "max_tokens": 64},
            "lora": {"rank": 4}, "train": {"batch_size": 8, "max_steps": 4, "epochs": 10},
@@ -590,6 +591,26 @@ def test_resume_refuses_another_base_schedule_or_a_damaged_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="data.instructions: no training or held-out record has source smal; the "
                                           "sources are d, h"):
         trainer(data={"instructions": {"smal": "find it"}})
+    # held-out rows that are trained on: the file among the training files (data/*.jsonl matches the corpus's
+    # heldout.jsonl), or a held-out (query, positive) pair in a training file; both were evaluated as unseen
+    with pytest.raises(ConfigError, match=r"data.heldout .*h.jsonl is also a training file"):
+        trainer(data={"train": str(tmp_path / "*.jsonl")})
+    (tmp_path / "leak" / "d.jsonl").parent.mkdir()
+    (tmp_path / "leak" / "d.jsonl").write_text((tmp_path / "d.jsonl").read_text() + json.dumps(
+        {"query": "held " + rows[2]["query"], "positive": rows[2]["positive"], "negatives": ["other"]}) + "\n")
+    with pytest.raises(ConfigError, match=r"data.heldout: 1 training row\(s\) hold a held-out \(query, positive\) pair"):
+        trainer(data={"train": str(tmp_path / "leak" / "d.jsonl")})
+    # a file named twice is read once; two files that are one source by name are said to be
+    with pytest.warns(UserWarning, match=r"names 1 file\(s\) more than once, read once: .*d.jsonl \(also .*d.jsonl\)"):
+        assert trainer(data={"train": [str(tmp_path / "d.jsonl"), str(tmp_path / "d.jsonl")]}).sizes == {"d": 16}
+    (tmp_path / "other").mkdir()
+    shutil.copy(tmp_path / "d.jsonl", tmp_path / "other" / "d.jsonl")
+    with pytest.warns(UserWarning, match=r"are all source 'd' \(batched together, sharing data.instructions\)"):
+        trainer(data={"train": [str(tmp_path / "d.jsonl"), str(tmp_path / "other" / "d.jsonl")]})
+    # a prompt as long as max_tokens leaves nothing of the query: every query of the source one text
+    with pytest.raises(ConfigError, match=r"data.max_tokens=16 leaves no room for the queries of source 'd': their "
+                                          r"prompt .* is \d+ tokens"):
+        trainer(data={"max_tokens": 16, "instructions": {"d": "Given a natural language query, find the function"}})
     (tmp_path / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
     with pytest.warns(UserWarning, match=r"source 's' \(3 rows\) has fewer rows than train.batch_size=8 and is "
                                          "never trained on"):

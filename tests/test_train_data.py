@@ -113,6 +113,15 @@ def test_malformed_jsonl_names_file_and_real_line(tmp_path, bad, message):
         load_triples(f)
 
 
+def test_bytes_that_are_not_utf8_are_named_with_their_line(tmp_path):
+    """pyarrow reads Latin-1 bytes into a string column and fails only when the column is converted: a raw
+    UnicodeDecodeError with no file or line. The record-by-record scan names both."""
+    f = tmp_path / "lat.jsonl"
+    f.write_bytes(json.dumps(row(0)).encode() + b"\n" + b'{"query": "caf\xe9", "positive": "p", "negatives": ["n"]}\n')
+    with pytest.raises(DataError, match=r"lat\.jsonl: line 2: not valid UTF-8"):
+        load_triples(f)
+
+
 def test_malformed_parquet_names_row(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -412,6 +421,22 @@ def test_tokenized_batches_match_the_tokenizer_and_the_cache_is_keyed_by_content
     changed.append(_tokenize(sources2, tokenizer, tmp_path / "cache")["code"].fingerprint)
     assert len({tokens.fingerprint, *changed}) == 4
     assert len(list((tmp_path / "cache").glob("tokens-*.arrow"))) == 4
+
+
+def test_the_rows_hash_cannot_be_matched_by_moving_a_separator():
+    """Texts were joined with \\0 and negatives with \\1: ["g\\1d", "e"] and ["g", "d\\1e"] hashed alike, and a run on
+    the second rows was fed the first rows' cached ids (and resumed the other's checkpoint)."""
+    import datasets
+
+    from jaxembed.train.pipeline import _rows_hash
+
+    def rows(query, positive, negatives):
+        return datasets.Dataset.from_dict({"query": [query], "positive": [positive], "instruction": [""],
+                                           "negatives": [negatives]})
+
+    assert _rows_hash(rows("q", "p", ["g\1d", "e"])) != _rows_hash(rows("q", "p", ["g", "d\1e"]))
+    assert _rows_hash(rows("a\0b", "c", [])) != _rows_hash(rows("a", "b\0c", []))
+    assert _rows_hash(rows("q", "p", ["n"])) == _rows_hash(rows("q", "p", ["n"]))
 
 
 def test_tokenized_batches_without_negatives(tmp_path, tokenizer):

@@ -220,7 +220,10 @@ def _fast_records(path: Path) -> list[dict[str, Any]] | None:
             return None
 
     n = table.num_rows
-    cols = {c: table.column(c).to_pylist() if c in names else [None] * n for c in COLUMNS}
+    try:  # pyarrow keeps bytes that are not UTF-8 in a string column; they fail only here
+        cols = {c: table.column(c).to_pylist() if c in names else [None] * n for c in COLUMNS}
+    except UnicodeDecodeError:
+        return None  # the record-by-record scan names the file and line
     if "negatives" not in names:
         cols["negatives"] = [[] for _ in range(n)]
     stem = path.stem

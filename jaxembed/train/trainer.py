@@ -34,6 +34,7 @@ from jaxembed import checkpoint, models
 from jaxembed.config import ConfigError, load_config
 from jaxembed.embedder import Embedder, bucket_length, load_tokenizer
 from jaxembed.errors import CheckpointError, TrainingDivergedError
+from jaxembed.text import text_ids
 from jaxembed.train import data as data_lib
 from jaxembed.train import lora as lora_lib
 from jaxembed.train import pipeline
@@ -179,9 +180,18 @@ class Trainer:
         self.base = sh.put(base, self.base_shardings)
 
         # data
-        self.sources, self.report = data_lib.load_triples(expand_globs(cfg.data.train),
-                                                          negatives_per_query=cfg.data.negatives_per_query)
+        train_files = expand_globs(cfg.data.train)
+        self.sources, self.report = data_lib.load_triples(train_files, negatives_per_query=cfg.data.negatives_per_query)
         self.sizes = {name: len(ds) for name, ds in self.sources.items()}
+        self.heldout = None
+        self.heldout_report = None
+        if cfg.data.heldout:  # checked against the training rows before the tokenizing
+            heldout, self.heldout_report = data_lib.load_triples(cfg.data.heldout, negatives_per_query=0)
+            self.heldout = [row for ds in heldout.values() for row in ds]
+            _check_heldout_apart(train_files, cfg.data.heldout, self.sources, self.heldout)
+            if cfg.eval.max_queries is not None:
+                self.heldout = self.heldout[: cfg.eval.max_queries]
+        self._check_room_for_queries()
         # every text tokenized once, up front (cached by content); the loop only gathers ids
         self.tokens = pipeline.tokenize_sources(
             self.sources, tokenizer=self.tokenizer, eos=self.eos, max_tokens=cfg.data.max_tokens,
@@ -206,13 +216,6 @@ class Trainer:
         if t.max_steps is not None:
             self.total_steps = min(self.total_steps, t.max_steps)
         self._plans = {}
-        self.heldout = None
-        self.heldout_report = None
-        if cfg.data.heldout:
-            heldout, self.heldout_report = data_lib.load_triples(cfg.data.heldout, negatives_per_query=0)
-            self.heldout = [row for ds in heldout.values() for row in ds]
-            if cfg.eval.max_queries is not None:
-                self.heldout = self.heldout[: cfg.eval.max_queries]
         known = set(self.sources) | {row["source"] for row in self.heldout or []}
         unknown = sorted(set(cfg.data.instructions) - known)
         if unknown:
@@ -342,6 +345,23 @@ class Trainer:
             self._plans = {epoch: data_lib.plan_batches(self.sizes, self.cfg.train.batch_size, seed=self.cfg.train.seed,
                                                         epoch=epoch)}
         return self._plans[epoch]
+
+    def _check_room_for_queries(self) -> None:
+        """A query prompt (template + instruction) as long as data.max_tokens leaves nothing of the query after the
+        cut: every query of its source would be the same text. Refused, naming the source and the prompt's size."""
+        if not self.cfg.data.max_tokens:
+            return
+        for source, ds in self.sources.items():
+            instructions = {row or self.cfg.data.instructions.get(source, "") for row in ds["instruction"]}
+            for instruction in sorted(i for i in instructions if i):
+                prompt = self.query_template.format(prompt=instruction)
+                n = len(text_ids(self.tokenizer, prompt, add_special_tokens=True)["input_ids"])
+                if n + 1 >= self.cfg.data.max_tokens:  # + EOS
+                    raise ConfigError(
+                        f"data.max_tokens={self.cfg.data.max_tokens} leaves no room for the queries of source "
+                        f"{source!r}: their prompt (the query template with instruction {instruction[:60]!r}) is {n} "
+                        "tokens, so the cut would leave every query the same text; raise data.max_tokens or shorten "
+                        "the instruction")
 
     def query_text(self, row, source: str) -> str:
         instruction = row.get("instruction") or self.cfg.data.instructions.get(source, "")
@@ -713,17 +733,55 @@ def _gib(n: float) -> str:
 
 
 def expand_globs(patterns) -> list[str]:
-    """Each entry as given, or the sorted files matching it when it holds a glob pattern."""
-    files = []
+    """Each entry as given, or the sorted files matching it when it holds a glob pattern; a file named twice
+    (by two patterns, or a link to it) once, with a warning: read twice, every row would be its own
+    duplicate in training, a positive also a negative of its own query."""
+    files, seen, twice = [], {}, []
     for pattern in patterns:
         if any(c in pattern for c in "*?["):
             matched = sorted(glob.glob(os.path.expanduser(pattern)))
             if not matched:
                 raise ConfigError(f"data.train: no files match {pattern!r}")
-            files += matched
         else:
-            files.append(pattern)
+            matched = [pattern]
+        for name in matched:
+            real = Path(name).expanduser().resolve()
+            if real in seen:
+                twice.append(f"{name} (also {seen[real]})")
+                continue
+            seen[real] = name
+            files.append(name)
+    if twice:
+        warnings.warn(f"data.train names {len(twice)} file(s) more than once, read once: {', '.join(twice[:5])}",
+                      UserWarning, stacklevel=2)
+    by_stem: dict[str, list[str]] = {}
+    for name in files:
+        by_stem.setdefault(Path(name).stem, []).append(name)
+    shared = {stem: names for stem, names in by_stem.items() if len(names) > 1}
+    if shared:  # a source is its file's stem unless rows name their own
+        warnings.warn("data.train: " + "; ".join(f"{', '.join(names)} are all source {stem!r}" for stem, names
+                                                 in shared.items())
+                      + " (batched together, sharing data.instructions); give rows a `source` field to keep them "
+                        "apart", UserWarning, stacklevel=2)
     return files
+
+
+def _check_heldout_apart(train_files: list[str], heldout_file: str, sources: dict, heldout_rows: list) -> None:
+    """Held-out rows that are also trained on make the evaluation a measure of memorisation: a held-out file
+    among the training files (`data/*.jsonl` matches the corpus's heldout.jsonl), or a held-out (query,
+    positive) pair found in training, is refused."""
+    held = Path(heldout_file).expanduser().resolve()
+    if any(Path(name).expanduser().resolve() == held for name in train_files):
+        raise ConfigError(f"data.heldout {heldout_file} is also a training file (data.train: "
+                          f"{', '.join(train_files[:5])}): the held-out rows would be trained on")
+    pairs = {(row["query"], row["positive"]) for row in heldout_rows}
+    shared = sum((q, p) in pairs for ds in sources.values() for q, p in zip(ds["query"], ds["positive"], strict=True))
+    if shared:
+        example = next((q, p) for ds in sources.values() for q, p in zip(ds["query"], ds["positive"], strict=True)
+                       if (q, p) in pairs)
+        raise ConfigError(f"data.heldout: {shared} training row(s) hold a held-out (query, positive) pair, e.g. query "
+                          f"{example[0][:60]!r}: the evaluation would measure what was trained on; remove them from "
+                          "one side")
 
 
 def retrieval_metrics(scores: np.ndarray, targets: np.ndarray, k: int) -> dict:
