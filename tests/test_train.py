@@ -598,7 +598,7 @@ def test_resume_refuses_another_base_schedule_or_a_damaged_checkpoint(tmp_path):
     (tmp_path / "leak" / "d.jsonl").parent.mkdir()
     (tmp_path / "leak" / "d.jsonl").write_text((tmp_path / "d.jsonl").read_text() + json.dumps(
         {"query": "held " + rows[2]["query"], "positive": rows[2]["positive"], "negatives": ["other"]}) + "\n")
-    with pytest.raises(ConfigError, match=r"data.heldout: 1 training row\(s\) hold a held-out \(query, positive\) pair"):
+    with pytest.raises(ConfigError, match=r"data.heldout: 1 training row\(s\) hold a held-out \(query, positive\)"):
         trainer(data={"train": str(tmp_path / "leak" / "d.jsonl")})
     # a file named twice is read once; two files that are one source by name are said to be
     with pytest.warns(UserWarning, match=r"names 1 file\(s\) more than once, read once: .*d.jsonl \(also .*d.jsonl\)"):
