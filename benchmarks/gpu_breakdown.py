@@ -239,20 +239,25 @@ def main(argv=None) -> int:
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; {time.strftime('%Y-%m-%d')}"
           + "".join(f"; tile {t}" for t in args.tile), flush=True)
     results: list = []
-    for family in args.families.split(","):
-        path = CONFIGS[family]
-        if args.scaled:
-            path = path.with_name("scaled-" + path.name)
-        cfg = dataclasses.replace(load_config(path), n_layers=args.layers)
-        for batch, length in parse_cases(args.cases):
-            try:
-                run_case(family, cfg, batch, length, vertical.get(batch), args, results)
-            except Exception as err:  # one failing case (e.g. out of memory) does not hide the others
-                status, msg = measure.classify_error(err)
-                print(f"{family} b={batch} t={length}: {status}: {msg[:300]}", flush=True)
-                results.append({"family": family, "batch": batch, "length": length, "status": status, "error": msg})
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    measure.exit_on_sigterm()
+    try:  # a step cut at its time limit still writes the rows it has
+        for family in args.families.split(","):
+            path = CONFIGS[family]
+            if args.scaled:
+                path = path.with_name("scaled-" + path.name)
+            cfg = dataclasses.replace(load_config(path), n_layers=args.layers)
+            for batch, length in parse_cases(args.cases):
+                try:
+                    run_case(family, cfg, batch, length, vertical.get(batch), args, results)
+                except Exception as err:  # one failing case (e.g. out of memory) does not hide the others
+                    status, msg = measure.classify_error(err)
+                    print(f"{family} b={batch} t={length}: {status}: {msg[:300]}", flush=True)
+                    results.append({"family": family, "batch": batch, "length": length, "status": status,
+                                    "error": msg})
+    finally:
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return 0
 
 

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # One GPU lease's measurements for the open GPU items (issues #19, #20, #22), as steps that each fit a
 # device call; every step is time-limited and writes its log (and JSON) under $OUT (at most 8 files come
-# back). Usage, through the device tool, with `.whl` carried (the wheels `datasets` needs, which the GPU
-# image lacks; see docs/benchmarks.md, "GPU session"):
+# back), and a step cut at its limit still writes the rows it measured. Usage, through the device tool:
 #
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-#     .whl/*.whl && export PYTHONPATH=/tmp/site || exit; bash benchmarks/gpu_session.sh check breakdown warm
+#   bash benchmarks/gpu_session.sh headline breakdown-mamba2     # then, if time is left: check
 #
-# Steps (in the order they matter):
+# A lease is 15 minutes of device time in all (starting the machine included): docs/benchmarks.md, "GPU
+# session", has the order. Wheels carried in .whl (`datasets`, which the GPU image lacks; only `train` and
+# `quality` need them) are installed into /tmp/site first when the folder is there.
+#
+# Steps:
+#   headline   #19's headline: Codestral Mamba2 7B against Mistral 7B v0.1 at batch 1, 32k and 128k tokens
+#              (jaxembed bench model-comparison, four points, 120 s each at most)
+#   breakdown-mamba2 #19: the Mamba2 rows of `breakdown` only (batch 1 x 32k)
 #   check      Pallas kernels compiled for real against their XLA references (benchmarks/kernels.py), and the
 #              SSD backward kernel timed for 1..16 heads per program (the rule behind choose_heads_per_program)
 #   conv       #19/#20: Mamba2's layer SSD with x convolved in the kernel against XLA's conv + the kernel, at
@@ -34,15 +39,22 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PYTHON:-python3}
+if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || echo "gpu_session: the wheels in .whl did not install; steps that need them will fail"
+fi
+# the checkout first (jaxembed is not installed on the GPU image; the benchmark scripts import it), then the wheels
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, never stop the rest
     local name=$1 limit=$2
     shift 2
     echo "=== $name ($(date -u +%FT%TZ), limit ${limit}s): $*"
-    timeout "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
-    echo "=== $name: exit $?"
+    # SIGTERM at the limit (the scripts then write what they measured), SIGKILL 15 s later
+    timeout -k 15 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    echo "=== $name: exit ${PIPESTATUS[0]}"
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -50,7 +62,11 @@ $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 
 for s in "$@"; do
     case $s in
-        check) step check 420 $PY benchmarks/kernels.py --only check ;;
+        headline) step headline 300 $PY -m jaxembed.cli bench model-comparison --batch 1 --lengths 32k,128k \
+            --series "Mamba2 (Codestral 7B),Mistral 7B v0.1 (window 4096)" --timeout 120 --output "$OUT/headline" ;;
+        breakdown-mamba2) step breakdown-mamba2 200 $PY benchmarks/gpu_breakdown.py --families mamba2 --layers 4 \
+            --cases 1x32k --json "$OUT/breakdown-mamba2.json" ;;
+        check) step check ${CHECK_LIMIT:-420} $PY benchmarks/kernels.py --only check --out "$OUT/check" ;;
         conv) step conv 240 $PY benchmarks/kernels.py --only conv --out "$OUT/conv" ;;
         segments) step segments 340 $PY benchmarks/kernels.py --only sweep --families wkv7 mlstm ssd \
             --sweep-lengths 4096 16384 --out "$OUT/segments" ;;
@@ -67,7 +83,8 @@ for s in "$@"; do
         dsf) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step dsf 420 $PY \
             benchmarks/gpu_breakdown.py --families mamba2,rwkv7,xlstm --layers 4 --cases 1x32k,32x4k \
             --json "$OUT/breakdown-dsf.json" ;;
-        compare) step compare 420 $PY -m jaxembed.cli bench model-comparison --batch 1 --lengths 8k,32k,128k ;;
+        compare) step compare 540 $PY -m jaxembed.cli bench model-comparison --batch 1 --lengths 8k,32k,128k \
+            --timeout 120 --output "$OUT/compare" ;;
         warm) step warm 300 $PY benchmarks/warm_start.py --how api,cli --max-length 4096 --threads 16 ;;
         train)
             step corpus 240 $PY -m jaxembed.cli corpus packages data/packages
@@ -88,7 +105,8 @@ for s in "$@"; do
             cp runs/packages-mamba2-gpu-quality/metrics.jsonl "$OUT/metrics-quality.jsonl" 2>/dev/null
             step quality-table 120 $PY benchmarks/train_quality.py table data/packages/heldout-2000.jsonl \
                 "Mamba2 d256 4L full + mined (GPU)=runs/packages-mamba2-gpu-quality" ;;
-        *) echo "unknown step $s (check, conv, segments, breakdown, mlstm-split, wkv7-split, memory, dsf, compare, warm, train, quality)"
+        *) echo "unknown step $s (headline, breakdown-mamba2, check, conv, segments, breakdown, mlstm-split, wkv7-split,"\
+                "memory, dsf, compare, warm, train, quality)"
            exit 2 ;;
     esac
 done

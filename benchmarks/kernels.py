@@ -831,26 +831,32 @@ def main(argv=None):
     print(f"device {device}: bf16 matmul {rate / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s", flush=True)
     import jax
 
-    mem = jax.devices()[0].memory_stats().get("bytes_limit", 64 << 30)
+    mem = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 64 << 30)
     check_rows, op_rows, enc_rows, sweep_rows, conv_rows = [], [], [], [], []
-    if "check" in sections:
-        check(check_rows)
-    if "sweep" in sections:
-        sweep(sweep_rows, args.families, args.sweep_lengths)
-    if "conv" in sections:
-        conv_paths(conv_rows)
-    if "ops" in sections:
-        peers = {"mamba_ssm": import_mamba_ssm(args.mamba_src)}
-        ops_table(op_rows, args.families, args.lengths, args.batches, peers, rate, bw, mem)
-    if "encode" in sections:
-        encode_table(enc_rows, args.families, args.encode_layers, args.encode_lengths)
-    table = markdown(device, rate, bw, check_rows, op_rows, enc_rows, conv_rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kernels.md").write_text(table + "\n")
-    (out / "kernels.json").write_text(json.dumps(dict(device=device, check=check_rows, sweep=sweep_rows, ops=op_rows,
-                                                      encode=enc_rows, conv=conv_rows), indent=1, default=str))
-    print(table)
+    from jaxembed.bench import measure
+
+    measure.exit_on_sigterm()
+    try:  # a step cut at its time limit still writes the rows it has
+        if "check" in sections:
+            check(check_rows)
+        if "sweep" in sections:
+            sweep(sweep_rows, args.families, args.sweep_lengths)
+        if "conv" in sections:
+            conv_paths(conv_rows)
+        if "ops" in sections:
+            peers = {"mamba_ssm": import_mamba_ssm(args.mamba_src)}
+            ops_table(op_rows, args.families, args.lengths, args.batches, peers, rate, bw, mem)
+        if "encode" in sections:
+            encode_table(enc_rows, args.families, args.encode_layers, args.encode_lengths)
+    finally:
+        table = markdown(device, rate, bw, check_rows, op_rows, enc_rows, conv_rows)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kernels.md").write_text(table + "\n")
+        (out / "kernels.json").write_text(json.dumps(dict(device=device, check=check_rows, sweep=sweep_rows,
+                                                          ops=op_rows, encode=enc_rows, conv=conv_rows), indent=1,
+                                                     default=str))
+        print(table)
 
 
 if __name__ == "__main__":

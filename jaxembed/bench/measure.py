@@ -46,6 +46,17 @@ def pin_threads(threads: int | None) -> dict:
             "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")}
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (`timeout`'s signal) as SystemExit, so a script's `finally` writes the rows it has: a step cut
+    at its time limit still returns what it measured (the handler runs once the current call returns)."""
+    import signal
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
