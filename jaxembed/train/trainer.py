@@ -775,13 +775,11 @@ def _check_heldout_apart(train_files: list[str], heldout_file: str, sources: dic
         raise ConfigError(f"data.heldout {heldout_file} is also a training file (data.train: "
                           f"{', '.join(train_files[:5])}): the held-out rows would be trained on")
     pairs = {(row["query"], row["positive"]) for row in heldout_rows}
-    shared = sum((q, p) in pairs for ds in sources.values() for q, p in zip(ds["query"], ds["positive"], strict=True))
+    shared = [q for ds in sources.values() for q, p in zip(ds["query"], ds["positive"], strict=True) if (q, p) in pairs]
     if shared:
-        example = next((q, p) for ds in sources.values() for q, p in zip(ds["query"], ds["positive"], strict=True)
-                       if (q, p) in pairs)
-        raise ConfigError(f"data.heldout: {shared} training row(s) hold a held-out (query, positive) pair, e.g. query "
-                          f"{example[0][:60]!r}: the evaluation would measure what was trained on; remove them from "
-                          "one side")
+        raise ConfigError(f"data.heldout: {len(shared)} training row(s) hold a held-out (query, positive) pair, e.g. "
+                          f"query {shared[0][:60]!r}: the evaluation would measure what was trained on; remove them "
+                          "from one side")
 
 
 def retrieval_metrics(scores: np.ndarray, targets: np.ndarray, k: int) -> dict:
