@@ -373,6 +373,23 @@ def test_a_failing_batch_fails_only_its_culprit_and_a_stopped_worker_is_named():
 
     assert asyncio.run(stops()) == "RuntimeError: a metrics bug"
 
+    # close() returns after its limit while a batch still runs (nobody can be waiting for it by then)
+    stuck = threading.Event()
+
+    async def closes():
+        batcher = Batcher(lambda ids: stuck.wait(30) and np.zeros((len(ids), 1), np.float32), batch_tokens=10,
+                          max_wait=0.0, max_queue=8)
+        batcher.start()
+        batcher.submit([[1]], 1)
+        await until(lambda: batcher.queued == 0)
+        start = time.monotonic()
+        done = await batcher.close(timeout=0.2)
+        return done, time.monotonic() - start
+
+    done, waited = asyncio.run(closes())
+    stuck.set()
+    assert not done and 0.15 < waited < 5
+
 
 def test_health_metrics_models_and_warmup(embedder):
     app = create_app(embedder, model_name="tiny", warmup_max_length=8, batch_size=1)

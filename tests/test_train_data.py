@@ -363,14 +363,18 @@ def test_code_corpus_nested_functions_near_duplicates_and_failed_reruns(tmp_path
 # ------------------------------------------------------------------------------------------ token pipeline
 
 
-def _tokenize(sources, tokenizer, cache_dir, max_tokens=12, k=2, template="Q: {prompt} | "):
+def _tokenize(sources, tokenizer, cache_dir, max_tokens=12, k=2, template="Q: {prompt} | ", defaults=None):
     from jaxembed.train.pipeline import tokenize_sources
 
+    defaults = defaults or {}
+
     def query_text(instruction, query, source):
+        instruction = instruction or defaults.get(source, "")
         return (template.format(prompt=instruction) if instruction else "") + query
 
     return tokenize_sources(sources, tokenizer=tokenizer, eos=tokenizer.eos_token_id, max_tokens=max_tokens,
-                            query_text=query_text, settings={"template": template}, cache_dir=cache_dir,
+                            query_text=query_text, cache_dir=cache_dir,
+                            settings=lambda source: {"template": template, "instruction": defaults.get(source, "")},
                             negatives_per_query=k, show_progress=False)
 
 
@@ -421,6 +425,23 @@ def test_tokenized_batches_match_the_tokenizer_and_the_cache_is_keyed_by_content
     changed.append(_tokenize(sources2, tokenizer, tmp_path / "cache")["code"].fingerprint)
     assert len({tokens.fingerprint, *changed}) == 4
     assert len(list((tmp_path / "cache").glob("tokens-*.arrow"))) == 4
+
+
+def test_a_sources_default_instruction_keys_that_source_alone(tmp_path, tokenizer, monkeypatch):
+    """The key held every source's instruction: editing one re-tokenized all of them."""
+    rows = [{"query": f"query {i}", "positive": f"doc {i}", "negatives": [f"neg {i}"]} for i in range(5)]
+    sources, _ = load_triples([write_jsonl(tmp_path / "a.jsonl", rows), write_jsonl(tmp_path / "b.jsonl", rows)],
+                              negatives_per_query=1)
+    before = _tokenize(sources, tokenizer, tmp_path / "cache", max_tokens=32, k=1, defaults={"a": "find", "b": "find"})
+    calls = []
+    real = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, texts, *a, **k: calls.append(texts) or real(
+        self, texts, *a, **k))
+    after = _tokenize(sources, tokenizer, tmp_path / "cache", max_tokens=32, k=1, defaults={"a": "find", "b": "search"})
+    assert after["a"].fingerprint == before["a"].fingerprint and after["b"].fingerprint != before["b"].fingerprint
+    assert calls and all("Q: search | query 0" in texts for texts in calls)  # b alone was tokenized again
+    ids = after["b"].batch(np.array([0]), chunk_size=8)[0]["query_ids"][0]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "Q: search | query 0"
 
 
 def test_the_rows_hash_cannot_be_matched_by_moving_a_separator():

@@ -120,8 +120,9 @@ def create_app(embedder, *, model_name: str = "jaxembed", **limits) -> Starlette
         try:
             yield
         finally:
-            # uvicorn has waited for the requests in flight; anything still queued is run before we return
-            await batcher.close()
+            # uvicorn has waited for the requests in flight; anything still queued is run before we return. After
+            # request_timeout every request has had its answer (a 504 at the latest): no one waits for a batch
+            await batcher.close(timeout=limits["request_timeout"])
 
     def error(status: int, body: dict, endpoint: str, headers=None) -> JSONResponse:
         response = JSONResponse(body, status_code=status, headers=headers)  # counted once it could be written

@@ -5,7 +5,7 @@ buckets and chunks vertically), and hands every request its own rows.
 The event loop only appends to the queue and awaits a future; the device work runs in the worker thread
 (JAX releases the GIL while it computes), so the server keeps accepting requests while a batch runs. The
 queue is bounded (`QueueFull`); a request that gives up waiting is taken out of the queue (`cancel`);
-`close` stops taking new requests and returns once the worker has run every queued one. A merged batch
+`close` stops taking new requests and returns once the worker has run every queued one, or after a limit. A merged batch
 that fails is run again one request at a time, so only the request that fails gets the error. A worker
 that stops on an unexpected error fails what is queued and refuses new requests (`stopped`).
 """
@@ -114,13 +114,20 @@ class Batcher:
                 pass
             self._set_depth()
 
-    async def close(self) -> None:
-        """Take no new requests, run the queued ones, and return when the worker has stopped."""
+    async def close(self, timeout: float | None = None) -> bool:
+        """Take no new requests, run the queued ones, and return when the worker has stopped, or after `timeout`
+        seconds with the worker still running a batch (False; the thread is a daemon and dies with the process)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        if self._thread is None:
+            return True
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        if self._thread.is_alive():
+            log.warning("the batch worker is still running after %.0f s; leaving it (%d request(s) still queued)",
+                        timeout, self.queued)
+            return False
+        return True
 
     # ---- the worker thread ---------------------------------------------------------------
     def _set_depth(self) -> None:

@@ -108,15 +108,16 @@ def tokenize_sources(
     eos: int,
     max_tokens: int,
     query_text: Callable[[str, str, str], str],
-    settings: dict,
+    settings: Callable[[str], dict],
     cache_dir: str | os.PathLike,
     negatives_per_query: int,
     show_progress: bool = True,
 ) -> dict[str, TokenizedSource]:
     """Tokenize every source once (``datasets.map(batched=True)``, cached in `cache_dir`).
 
-    `query_text(instruction, query, source)` gives a query's full text; `settings` are what it depends on
-    besides the row (the template, the per-source default instructions) and go into the cache key.
+    `query_text(instruction, query, source)` gives a query's full text; `settings(source)` is what that depends on
+    besides the row (the template, the source's default instruction) and goes into the source's cache key, so
+    changing one source's instruction re-tokenizes that source alone.
     """
     import datasets
 
@@ -134,7 +135,7 @@ def tokenize_sources(
     out = {}
     for source, ds in sources.items():
         key = hashlib.sha256(repr((CACHE_FORMAT, source, _rows_hash(ds), tok_id, eos, max_tokens,
-                                   sorted(settings.items()))).encode("utf-8")).hexdigest()[:32]
+                                   sorted(settings(source).items()))).encode("utf-8")).hexdigest()[:32]
 
         def encode(batch, source=source):
             queries = [query_text(i, q, source) for q, i in zip(batch["query"], batch["instruction"], strict=True)]

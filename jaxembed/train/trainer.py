@@ -197,7 +197,8 @@ class Trainer:
             self.sources, tokenizer=self.tokenizer, eos=self.eos, max_tokens=cfg.data.max_tokens,
             query_text=lambda instruction, query, source: self.query_text(
                 {"instruction": instruction, "query": query}, source),
-            settings={"query_template": self.query_template, "instructions": sorted(cfg.data.instructions.items())},
+            settings=lambda source: {"query_template": self.query_template,
+                                     "instruction": cfg.data.instructions.get(source, "")},
             cache_dir=cfg.token_cache_dir, negatives_per_query=cfg.data.negatives_per_query,
             show_progress=self.show_progress)
         self.data_fingerprint = ",".join(f"{name}:{t.fingerprint}" for name, t in sorted(self.tokens.items()))
