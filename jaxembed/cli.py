@@ -306,9 +306,17 @@ def escaped(value: str) -> str:
     return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], value)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's usage errors as one line too (its default prints the whole usage block first); its subcommands'
+    parsers are of this class as well (`add_subparsers` takes the parent's class)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the arguments)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxembed", description=__doc__,
-                                     epilog="jaxembed --debug COMMAND ...: show tracebacks instead of one-line errors")
+    parser = Parser(prog="jaxembed", description=__doc__,
+                    epilog="jaxembed --debug COMMAND ...: show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("convert", help="convert a Hugging Face / mamba_ssm / Codestral checkpoint")

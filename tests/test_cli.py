@@ -35,6 +35,19 @@ def test_embed_errors(hf_model_dir, tmp_path, capsys):
     assert "not a multiple of the chunk size" in capsys.readouterr().err
 
 
+def test_usage_errors_are_one_line(capsys):
+    """argparse printed its whole usage block (19 lines for embed) before the error."""
+    import pytest
+
+    for argv, why in ((["embed", "x.txt"], "jaxembed embed: error: the following arguments are required: --model"),
+                      (["serve", "--model", "m", "--port", "abc"], "argument --port: invalid int value: 'abc'"),
+                      ([], "the following arguments are required: command")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and why in err and err.count("\n") == 1 and "usage:" not in err, err
+
+
 def test_embed_checks_the_output_path_first(hf_model_dir, tmp_path, capsys):
     """Before any work: a wrong suffix, a missing directory, a directory, an existing file without
     --overwrite; each one line on stderr, exit 2, nothing written."""
