@@ -140,6 +140,18 @@ class Embedder:
                             f"last_stats['truncated'])", TruncationWarning, stacklevel=3)
         return out, truncated
 
+    def _check_room_after(self, prompt: str, max_length: int | None) -> None:
+        """A prompt that fills max_length on its own cuts every text to the same ids: identical embeddings."""
+        if max_length is None or not prompt:
+            return
+        self._require_tokenizer()
+        check_positive_int("max_length", max_length)
+        n = len(tokenize_texts(self.tokenizer, [prompt], self.eos_token_id)[0][0])
+        if n >= max_length:
+            raise ValueError(f"the prompt {prompt[:60]!r} is {n - 1} tokens: with EOS, max_length={max_length} leaves "
+                             "no token of the texts (each would embed as the prompt alone); raise max_length or "
+                             "shorten the prompt")
+
     def encode(
         self,
         texts: str | Sequence[str],
@@ -178,6 +190,7 @@ class Embedder:
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
+            self._check_room_after(prompt, max_length)
             texts = [prompt + t for t in texts]
         ids, truncated = self._tokenize(texts, max_length)
         out = self.encode_ids(

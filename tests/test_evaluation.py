@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -102,7 +103,7 @@ def stdlib_rows(tmp_path_factory):
     return [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
 
 
-def test_local_tasks_take_query_positive_rows_and_name_what_is_missing(stdlib_rows):
+def test_local_tasks_take_query_positive_rows_and_name_what_is_missing(stdlib_rows, tmp_path):
     """The trainer's {query, positive} rows work (the tasks needing class labels are left out, with a
     warning naming them); a row without a positive is an error naming the row and the fields."""
     plain = [{"query": r["query"], "positive": r["positive"]} for r in stdlib_rows]
@@ -114,6 +115,11 @@ def test_local_tasks_take_query_positive_rows_and_name_what_is_missing(stdlib_ro
     summarization.load_data()
     data = summarization.dataset["test"]
     assert all(h[0] not in m for h, m in zip(data["human_summaries"], data["machine_summaries"], strict=True))
+    # lines end at "\n" only (as the trainer reads them): U+2028 and U+0085 inside a text are text
+    path = tmp_path / "rows.jsonl"
+    odd = [{**r, "query": r["query"] + "\u2028 and\u0085 more"} if i < 3 else r for i, r in enumerate(plain)]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in odd), encoding="utf-8")
+    assert len(run.resolve_tasks(None, None, str(path))[0]) == len(tasks)
     broken = plain[:3] + [{"query": "q"}] + plain[4:]
     with pytest.raises(ValueError, match=r"row 4: needs string fields 'query' and 'positive'.*\['positive'\]"):
         stdlib_tasks(broken)
@@ -186,6 +192,10 @@ def test_missing_data_is_named(monkeypatch, capsys):
         run.resolve_tasks(None, "NoSuchTask", None)
     with pytest.raises(ValueError, match="--tasks ', ,' names no task"):
         run.resolve_tasks(None, ", ,", None)
+    # an alias is run under its canonical name (the paper's rows are keyed by it)
+    assert run.resolve_tasks("MTEB(eng)", None, None)[1] == "MTEB(eng, v2)"
+    long_tasks, _ = run.resolve_tasks(None, "LEMBPasskeyRetrieval,LEMBQMSumRetrieval", None)
+    assert run.default_max_length(None, long_tasks) == 32768 and run.default_max_length(None, tasks) == 512
     from jaxembed import cli
 
     assert cli.main(["eval", "--model", "/no/such/model", "--tasks", "SciFact,STS12", "--quiet"]) == 2
@@ -214,7 +224,9 @@ def test_two_models_evaluated_into_one_folder_report_their_own_scores(stdlib_row
     def evaluate(model, output):
         assert main(["eval", "--model", str(model), "--local-tasks", str(rows), "--output", str(output),
                      "--max-length", "64", "--quiet", "--skip-data-check"]) == 0
-        summaries.append(json.loads((output / "summary" / "jaxembed__model" / "summary.json").read_text()))
+        (summary,) = re.findall(r"^summary: (.*)\.md$", capsys.readouterr().err, re.M)  # under its revision
+        assert Path(summary).parent.parent == output / "summary" / "jaxembed__model"
+        summaries.append(json.loads(Path(summary + ".json").read_text()))
         return {task: v["main_score"] for task, v in summaries[-1]["scores"].items()}
 
     shared = tmp_path / "shared"
@@ -229,6 +241,25 @@ def test_two_models_evaluated_into_one_folder_report_their_own_scores(stdlib_row
     assert computed["encode_calls"] and sum(c["truncated"] for c in computed["encode_calls"]) > 0
     assert [{**c, "cached": True} for c in computed["encode_calls"]] == cached["encode_calls"]
     assert cached["tasks_without_encode_record"] == []
+    # each model's summary stays (it was one file per model name, replaced by the next run)
+    assert len(list((shared / "summary" / "jaxembed__model").glob("fp-*/local-tasks.json"))) == 2
+    # a prefix that fills --max-length alone (every text the same ids, nan scores) stops the run before encoding
+    assert main(["eval", "--model", str(paths[0]), "--local-tasks", str(rows), "--output", str(tmp_path / "short"),
+                 "--max-length", "32", "--quiet", "--skip-data-check"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"task Stdlib\w+: the prompt 'Instruction: .* is \d+ tokens: with EOS, max_length=32 leaves", err)
+    assert not (tmp_path / "short").exists()
+    with pytest.raises(run.DataError, match=r"1 task\(s\) scored no number: StdlibSTS nan"):
+        run.check_scores({"StdlibSTS": ("STS", float("nan")), "StdlibRetrieval": ("Retrieval", 0.5)},
+                         tmp_path / "summary")
+    # a cached result of other data (a task's dataset revision moved) is named, not reused
+    tasks = stdlib_tasks(stdlib_rows)
+    folder = shared / "results" / "jaxembed__model" / revisions[0]
+    run.check_cached_results(folder, tasks)
+    result = folder / "StdlibCodeRetrieval.json"
+    result.write_text(json.dumps({**json.loads(result.read_text()), "dataset_revision": "older"}))
+    with pytest.raises(run.DataError, match="StdlibCodeRetrieval now uses"):
+        run.check_cached_results(folder, tasks)
     # a result file cut short (mteb writes in place) is named, with the fix
     for revision in revisions:
         result = sorted((shared / "results" / "jaxembed__model" / revision).glob("*.json"))[-1]

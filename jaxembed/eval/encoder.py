@@ -98,6 +98,21 @@ class MtebEncoder(AbsEncoder):
         text, source = self.instruction(task_metadata, prompt_type)
         return ("", "none") if text is None else (self.template.format(prompt=text), source)
 
+    def check_prefixes(self, tasks) -> None:
+        """Before any encoding: a task whose prefix fills max_length on its own (every text would embed as the
+        prefix: identical embeddings, nan scores) is named, with the lengths."""
+        from mteb.abstasks.aggregated_task import AbsTaskAggregate
+
+        leaves = [leaf for task in tasks
+                  for leaf in (task.metadata.tasks if isinstance(task, AbsTaskAggregate) else [task])]
+        for task in leaves:
+            for role in (None, "query", "document"):
+                prefix, _ = self.prefix(task.metadata, role)
+                try:
+                    self.model._check_room_after(prefix, self.max_length)
+                except ValueError as err:
+                    raise ValueError(f"task {task.metadata.name}: {err}") from None
+
     # ---- mteb's protocol ----------------------------------------------------------------
     def encode(self, inputs, *, task_metadata, hf_split: str, hf_subset: str, prompt_type=None, **kwargs) -> np.ndarray:
         texts = [text for batch in inputs for text in batch["text"]]

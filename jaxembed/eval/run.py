@@ -8,7 +8,11 @@ paper's summary table (mean over tasks, mean over task types) beside the publish
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import re
+import sys
 from pathlib import Path
 
 from jaxembed.errors import DataError, MissingDataError
@@ -29,9 +33,10 @@ def resolve_tasks(benchmark: str | None, tasks: str | None, local_tasks: str | N
         raise ValueError("give exactly one of --benchmark, --tasks and --local-tasks")
     if benchmark:
         try:
-            return list(mteb.get_benchmark(benchmark).tasks), benchmark
+            found = mteb.get_benchmark(benchmark)
         except (KeyError, ValueError) as err:
             raise ValueError(f"unknown benchmark {benchmark!r} ({err})") from None
+        return list(found.tasks), found.name  # an alias ("MTEB(eng)") by its canonical name: the paper's rows
     if tasks:
         names = [t.strip() for t in tasks.split(",") if t.strip()]
         if not names:
@@ -49,7 +54,8 @@ def resolve_tasks(benchmark: str | None, tasks: str | None, local_tasks: str | N
     if not path.is_file():
         raise ValueError(f"--local-tasks: {path} is not a file (build one with `jaxembed corpus stdlib DIR`)")
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    # lines end at "\n" only, as the trainer reads them: str.splitlines would also cut at U+2028, U+0085, ...
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
@@ -61,15 +67,12 @@ def resolve_tasks(benchmark: str | None, tasks: str | None, local_tasks: str | N
         raise ValueError(f"--local-tasks {path}: {err}") from None
 
 
-def tasks_identity(tasks, local_tasks: str | None) -> list:
-    """What the tasks' data is: each task's name and dataset revision, and for --local-tasks (every
-    build of which has the same names and revision) the file's sha256."""
-    import hashlib
-
-    named = sorted((t.metadata.name, str(t.metadata.dataset.get("revision"))) for t in tasks)
-    if local_tasks:
-        named.append(("local-tasks", hashlib.sha256(Path(local_tasks).read_bytes()).hexdigest()))
-    return named
+def tasks_identity(local_tasks: str | None) -> list:
+    """What the tasks' data is beyond their names and dataset revisions (each cached result records its own
+    dataset revision, checked by `check_cached_results`): for --local-tasks, every build of which has the same
+    task names and revision, the file's sha256. The task list is left out, so runs of different task sets
+    (MTEB v1 after v2, the rest of a benchmark after a crash) reuse the tasks they share."""
+    return [("local-tasks", hashlib.sha256(Path(local_tasks).read_bytes()).hexdigest())] if local_tasks else []
 
 
 def check_data(tasks) -> None:
@@ -122,28 +125,73 @@ def task_calls(scores, encoder, records: Path) -> tuple[list[dict], list[str]]:
     return calls, unrecorded
 
 
+def run_label(benchmark: str | None, tasks, local_tasks: str | None) -> str:
+    """A file name for one run's summary: the benchmark's name, `local-tasks`, or the tasks' names (hashed
+    when long), so a run of other tasks under the same revision does not replace it."""
+    if benchmark:
+        label = benchmark
+    elif local_tasks:
+        label = "local-tasks"
+    else:
+        names = "_".join(sorted(t.metadata.name for t in tasks))
+        label = f"tasks-{names}" if len(names) <= 80 else f"tasks-{hashlib.sha256(names.encode()).hexdigest()[:12]}"
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", label).strip("_")
+
+
 def write_summary(model_name: str, scores, benchmark: str | None, output: Path, calls: list[dict],
                   unrecorded: list[str]) -> str:
-    """summary.md (the table) and summary.json (the numbers, truncation and instruction use)."""
-    output.mkdir(parents=True, exist_ok=True)
+    """OUTPUT.md (the table) and OUTPUT.json (the numbers, truncation and instruction use)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
     table = markdown_table(model_name, scores, benchmark)
-    write_text_atomically(output / "summary.md", f"# {model_name}: {benchmark or 'selected tasks'}\n\n{table}")
-    write_text_atomically(output / "summary.json", json.dumps(
+    write_text_atomically(output.with_suffix(".md"), f"# {model_name}: {benchmark or 'selected tasks'}\n\n{table}")
+    write_text_atomically(output.with_suffix(".json"), json.dumps(
         {"model": model_name, "benchmark": benchmark,
          "scores": {k: {"type": t, "main_score": s} for k, (t, s) in scores.items()},
          **aggregate(scores), "encode_calls": calls, "tasks_without_encode_record": unrecorded}, indent=2))
     return table
 
 
-def check_cached_results(directory: Path) -> None:
+def check_cached_results(directory: Path, tasks) -> None:
     """mteb writes its result files in place: one cut short by a kill would stop every later run with a bare
-    JSON error. Named here, with the fix."""
+    JSON error. Named here, with the fix. And mteb reuses a complete cached result of a task whatever dataset
+    revision it was computed on: one from other data (the task's revision moved with an mteb upgrade) is named
+    too, never scored as this run's."""
+    from mteb.abstasks.aggregated_task import AbsTaskAggregate
+
+    revisions = {leaf.metadata.name: leaf.metadata.revision for task in tasks
+                 for leaf in [task, *(task.metadata.tasks if isinstance(task, AbsTaskAggregate) else [])]}
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
         try:
-            json.loads(path.read_text())
+            cached = json.loads(path.read_text())
         except (ValueError, UnicodeDecodeError) as err:
             raise DataError(f"{path}: a cached result that cannot be read ({err}); an interrupted write leaves "
                             "one: delete the file to compute that task again") from None
+        wanted = revisions.get(path.stem)
+        if not isinstance(cached, dict) or wanted is None or cached.get("dataset_revision") in (None, wanted):
+            continue
+        raise DataError(f"{path}: a cached result of dataset revision {cached.get('dataset_revision')!r}, where "
+                        f"{path.stem} now uses {wanted!r}; delete the file to compute that task again on this data")
+
+
+def check_scores(scores, summary: Path) -> None:
+    """A task whose main score is not a number (every text cut to the same prefix, a collapsed model) is an
+    error naming it, after the summary is written for a look: a mean with NaN in it is no result."""
+    bad = {name: score for name, (_, score) in scores.items() if not math.isfinite(score)}
+    if bad:
+        raise DataError(f"{len(bad)} task(s) scored no number: "
+                        + ", ".join(f"{name} {score}" for name, score in sorted(bad.items()))
+                        + f"; the means are not results (see {summary.with_suffix('.json')}: identical embeddings "
+                        "give nan, e.g. when every text is cut to the same instruction prefix)")
+
+
+def default_max_length(benchmark: str | None, tasks) -> int:
+    """LongEmbed's length when every task is one of LongEmbed's, MTEB's otherwise."""
+    import mteb
+
+    longembed = {t.metadata.name for t in mteb.get_benchmark(LONGEMBED).tasks}
+    if benchmark == LONGEMBED or {t.metadata.name for t in tasks} <= longembed:
+        return LONGEMBED_MAX_TOKENS
+    return MTEB_MAX_TOKENS
 
 
 def evaluation_identity(model, args, max_length, data) -> str:
@@ -163,8 +211,6 @@ def evaluation_identity(model, args, max_length, data) -> str:
 
 
 def cmd_eval(args) -> int:
-    import sys
-
     import mteb
 
     import jaxembed
@@ -175,25 +221,29 @@ def cmd_eval(args) -> int:
         check_data(tasks)
     max_length = args.max_length
     if max_length is None:
-        max_length = LONGEMBED_MAX_TOKENS if benchmark == LONGEMBED else MTEB_MAX_TOKENS
+        max_length = default_max_length(benchmark, tasks)
     model = jaxembed.load(args.model, dtype=args.dtype, tokenizer=args.tokenizer)
     name = args.name or f"jaxembed/{Path(args.model).resolve().name}"
-    revision = args.revision or evaluation_identity(model, args, max_length, tasks_identity(tasks, args.local_tasks))
+    revision = args.revision or evaluation_identity(model, args, max_length, tasks_identity(args.local_tasks))
     encoder = MtebEncoder(model, name=name, revision=revision, max_length=max_length or None,
                           batch_size=args.batch_size, instructions=args.instructions, template=args.template,
                           show_progress_bar=not args.quiet)
+    encoder.check_prefixes(tasks)
     output = Path(args.output)
-    check_cached_results(output / "results" / name.replace("/", "__") / revision)
+    check_cached_results(output / "results" / name.replace("/", "__") / revision, tasks)
     result = mteb.evaluate(encoder, tasks, cache=mteb.ResultCache(output), overwrite_strategy=args.overwrite,
                            show_progress_bar=not args.quiet)
     scores = task_scores(result, tasks)
     calls, unrecorded = task_calls(scores, encoder, output / "encode_calls" / name.replace("/", "__") / revision)
-    table = write_summary(name, scores, benchmark, output / "summary" / name.replace("/", "__"), calls, unrecorded)
+    summary = output / "summary" / name.replace("/", "__") / revision / run_label(benchmark, tasks, args.local_tasks)
+    table = write_summary(name, scores, benchmark, summary, calls, unrecorded)
     print(table)
+    print(f"summary: {summary.with_suffix('.md')}", file=sys.stderr)
     truncated = sum(c["truncated"] for c in calls)
     if truncated:
         print(f"{truncated} texts were cut to {max_length} tokens (per call: summary.json)", file=sys.stderr)
     if unrecorded:
         print(f"no record of the encode calls (prefixes, cuts) of {len(unrecorded)} cached task(s): "
               f"{', '.join(unrecorded)}; rerun with --overwrite always to make one", file=sys.stderr)
+    check_scores(scores, summary)
     return 0
