@@ -110,6 +110,13 @@ def test_max_length_truncates_with_a_count(embedder, tokenizer):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         emb.encode(["short"])  # no truncation, no warning, by default
+    # a prompt that fills max_length alone would give every text the same ids: refused, with the lengths
+    prompt = "Instruction: find the code that does this\nQuery: "
+    n = len(tokenizer(prompt)["input_ids"])
+    with pytest.raises(ValueError, match=f"the prompt .* is {n} tokens: with EOS, max_length={n + 1} leaves no token"):
+        emb.encode(TEXTS[:2], prompt=prompt, max_length=n + 1)
+    with pytest.warns(UserWarning, match="truncated [12] of 2"):
+        emb.encode(TEXTS[:2], prompt=prompt, max_length=n + 2)  # one token of each text: allowed
 
 
 def test_buckets_bound_the_number_of_programs(hf_model_dir):

@@ -127,17 +127,19 @@ def test_margin_skips_a_near_duplicate_of_the_positive_and_whitespace_duplicates
     assert stats["skipped_margin"] > 0
 
 
-def test_positives_equal_up_to_whitespace_are_one_candidate():
-    """Two records whose positives differ only in whitespace give the pool one entry (the first spelling):
-    a third record gets that text once, not both spellings."""
+def test_positives_equal_up_to_whitespace_and_case_are_one_candidate():
+    """Two records whose positives differ only in whitespace and case give the pool one entry (the first
+    spelling): a third record gets that text once, not both spellings, and neither record gets the other's
+    (with --no-margin a case-only variant of the positive was its first negative)."""
     text = "python sorts lists with the sorted builtin"
-    pairs = [("how does python sort lists", text), ("python list sorting builtin", "python  sorts lists\twith the "
-                                                                                   "sorted builtin "), *PAIRS[1:]]
+    pairs = [("how does python sort lists", text), ("python list sorting builtin", "PYTHON  sorts lists\twith the "
+                                                                                   "Sorted builtin "), *PAIRS[1:]]
     out, stats = mine_negatives(records_of(pairs), negatives=3, margin=None)
     assert stats["pool"] == len(PAIRS)
     third = next(r for r in out if r["query"] == "python sorted keys")
     assert text in third["negatives"]
-    assert len({" ".join(n.split()) for n in third["negatives"]}) == len(third["negatives"]) == 3
+    assert len({" ".join(n.split()).lower() for n in third["negatives"]}) == len(third["negatives"]) == 3
+    assert all(" ".join(n.split()).lower() != text for r in out[:2] for n in r["negatives"])
 
 
 def test_other_positives_of_the_same_query_are_not_negatives():
@@ -170,6 +172,7 @@ def test_fewer_than_requested_are_kept_and_counted_and_blank_records_pass_throug
     assert out[0]["negatives"] == ["sort arrays fast"]  # the only other document sharing a term
     assert out[2]["negatives"] == [] and out[3]["negatives"] == [] and out[4]["negatives"] == []
     assert stats["fewer_than_requested"] == 3 and stats["blank_records"] == 2 and stats["pool"] == 4
+    assert stats["fewer_than_requested_records"] == [1, 2, 3]  # named, counted from 1 (blank records aside)
     assert all(r["source"] == "s" for r in out)
 
 
@@ -286,6 +289,11 @@ def test_cli_mines_a_file_and_prints_the_stats(tmp_path, capsys):
            [r["negatives"] for r in mine_negatives(records_of(PAIRS), negatives=2, skip_top=1)[0]]
     assert run_cli(["mine", str(src), str(out), "--negatives", "2", "--no-margin", "--overwrite", "--quiet"]) == 0
     assert json.loads(capsys.readouterr().out)["margin"] is None
+    assert run_cli(["mine", str(src), str(out), "--negatives", "40", "--overwrite", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    stats, err = json.loads(captured.out), captured.err
+    assert stats["fewer_than_requested"] == len(PAIRS)  # the short records are named on stderr, not only counted
+    assert f"{len(PAIRS)} record(s) got fewer than 40 negatives (records 1, 2, 3" in err
     with pytest.raises(ConfigError, match="--method model needs --model PATH"):
         run_cli(["mine", str(src), str(tmp_path / "m.jsonl"), "--negatives", "2", "--method", "model"])
     with pytest.raises(ConfigError, match="--model is used only with --method model"):

@@ -1,7 +1,7 @@
 """Hard negatives for a training triples file: `jaxembed mine IN.jsonl OUT.jsonl --negatives K`.
 
 The candidates are the distinct non-blank positives of all records (the pool), compared after collapsing
-whitespace (the first spelling in the file is the one written), so no record gets the same text twice. Each
+whitespace and case (the first spelling in the file is the one written), so no record gets the same text twice. Each
 query ranks the pool, best first, ties to the lower pool index (first appearance in the file):
 
 * ``bm25``: bm25s's Okapi BM25 (k1 1.5, b 0.75, Lucene idf; its tokenizer with English stopwords). The scores
@@ -15,7 +15,7 @@ query ranks the pool, best first, ties to the lower pool index (first appearance
 Walking its ranking in order, a query takes the first `negatives` candidates that pass three rules, and each
 skipped candidate is counted once, under the first rule it fails:
 
-1. positive: not a positive of a record with this query text, compared after collapsing whitespace (the
+1. positive: not a positive of a record with this query text, compared after collapsing whitespace and case (the
    record's own positive, its near-duplicates and the query's other positives are all false negatives);
 2. rank window: rank >= `skip_top` (0-based, in the ranking that includes the positive);
 3. margin: score < `margin` x the query's score for its own positive. A positive scoring <= 0 (BM25: no shared
@@ -66,21 +66,21 @@ def mine_negatives(records, *, negatives: int, method: str = "bm25", embedder=No
     _check_records(records)
 
     active = [i for i, rec in enumerate(records) if rec["query"].strip() and rec["positive"].strip()]
-    first_spelling: dict[str, str] = {}  # positive with whitespace collapsed -> its first spelling in the file
+    first_spelling: dict[str, str] = {}  # positive with whitespace and case collapsed -> its first spelling
     for rec in records:
         if rec["positive"].strip():
-            first_spelling.setdefault(_collapse_whitespace(rec["positive"]), rec["positive"])
+            first_spelling.setdefault(_same_text_key(rec["positive"]), rec["positive"])
     pool, pool_normalised = list(first_spelling.values()), list(first_spelling)
     if len(pool) < 2:
         raise DataError(f"need at least 2 distinct non-blank positives to mine negatives from, got {len(pool)}")
     pool_index = {text: j for j, text in enumerate(pool_normalised)}
-    positives_of_query: dict[str, set[str]] = {}  # by the query with whitespace collapsed, as the positives
+    positives_of_query: dict[str, set[str]] = {}  # by the query with whitespace and case collapsed
     for i in active:
-        positives_of_query.setdefault(_collapse_whitespace(records[i]["query"]), set()).add(
-            _collapse_whitespace(records[i]["positive"]))
+        positives_of_query.setdefault(_same_text_key(records[i]["query"]), set()).add(
+            _same_text_key(records[i]["positive"]))
 
     queries = [records[i]["query"] for i in active]
-    positive = np.array([pool_index[_collapse_whitespace(records[i]["positive"])] for i in active], np.int32)
+    positive = np.array([pool_index[_same_text_key(records[i]["positive"])] for i in active], np.int32)
     if method == "bm25":
         score_rows = _bm25_scorer(queries, pool)
     else:
@@ -88,14 +88,15 @@ def mine_negatives(records, *, negatives: int, method: str = "bm25", embedder=No
         instructions = [records[i].get("instruction") or None for i in active]
         score_rows = _cosine_scorer(embedder, queries, instructions, pool, **encode)
 
-    counts = dict.fromkeys(("fewer_than_requested", "margin_not_applied", "skipped_positive", "skipped_rank",
+    counts = dict.fromkeys(("margin_not_applied", "skipped_positive", "skipped_rank",
                             "skipped_margin"), 0)
     mined: dict[int, list[str]] = {}
+    short: list[int] = []  # records that found fewer than asked
     ranked = _ranked(score_rows, positive, len(pool), min(depth, len(pool)), show_progress)
     for row, top_scores, top_index, positive_score in ranked:
         use_margin = margin is not None and positive_score > 0
         counts["margin_not_applied"] += margin is not None and not use_margin
-        own = positives_of_query[_collapse_whitespace(queries[row])]
+        own = positives_of_query[_same_text_key(queries[row])]
         chosen = []
         for rank, (score, j) in enumerate(zip(top_scores.tolist(), top_index.tolist(), strict=True)):
             if method == "bm25" and score <= 0:
@@ -110,13 +111,15 @@ def mine_negatives(records, *, negatives: int, method: str = "bm25", embedder=No
                 chosen.append(pool[j])
                 if len(chosen) == negatives:
                     break
-        counts["fewer_than_requested"] += len(chosen) < negatives
+        if len(chosen) < negatives:
+            short.append(active[row])
         mined[active[row]] = chosen
 
     out = [{**rec, "negatives": mined.get(i, [])} for i, rec in enumerate(records)]
     stats = {"records": len(records), "pool": len(pool), "method": method, "negatives": negatives,
              "skip_top": skip_top, "depth": depth, "margin": margin, "blank_records": len(records) - len(active),
-             "mined": sum(len(n) for n in mined.values()), **counts,
+             "mined": sum(len(n) for n in mined.values()), **counts, "fewer_than_requested": len(short),
+             "fewer_than_requested_records": [i + 1 for i in short[:20]],
              "seconds": round(time.perf_counter() - start_time, 3)}
     return out, stats
 
@@ -179,6 +182,14 @@ def cmd_mine(args) -> int:
     stats = mine_file(args.input, args.output, overwrite=args.overwrite, embedder=embedder,
                       show_progress=not args.quiet, **settings)
     print(json.dumps(stats))
+    if stats["fewer_than_requested"]:
+        import sys
+
+        shown = ", ".join(map(str, stats["fewer_than_requested_records"]))
+        more = ", ..." if stats["fewer_than_requested"] > len(stats["fewer_than_requested_records"]) else ""
+        print(f"jaxembed mine: {stats['fewer_than_requested']} record(s) got fewer than {args.negatives} negatives "
+              f"(records {shown}{more}, counted from 1); training with negatives_per_query={args.negatives} drops "
+              "them: lower --negatives, --skip-top or --margin, or add data", file=sys.stderr)
     return 0
 
 
@@ -262,8 +273,9 @@ def _cosine_scorer(embedder, queries: list[str], instructions: list[str | None],
 # checks and files
 
 
-def _collapse_whitespace(text: str) -> str:
-    return " ".join(text.split())
+def _same_text_key(text: str) -> str:
+    """Texts equal up to whitespace and case are one text: a case-only variant of a positive is no negative."""
+    return " ".join(text.split()).casefold()
 
 
 def _check_args(*, negatives, method, skip_top, depth, margin, max_length, batch_size) -> None:
