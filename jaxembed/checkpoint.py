@@ -47,11 +47,13 @@ def tensor_checksums(params) -> dict[str, str]:
 
 
 def file_checksums(root: Path) -> dict[str, str]:
-    """{"params/_METADATA": hex digest, ...} for every file under root/params."""
+    """{"params/_METADATA": hex digest, ..., "tokenizer.json": ...} for every file under root/params and the
+    tokenizer files at root."""
     import xxhash
 
     out = {}
-    for path in sorted((root / "params").rglob("*")):
+    tokenizer_files = [root / name for name in TOKENIZER_FILES]
+    for path in [*sorted((root / "params").rglob("*")), *tokenizer_files]:
         if path.is_file():
             digest = xxhash.xxh3_128()
             with open(path, "rb") as f:
@@ -59,6 +61,14 @@ def file_checksums(root: Path) -> dict[str, str]:
                     digest.update(block)
             out[path.relative_to(root).as_posix()] = digest.hexdigest()
     return out
+
+
+def manifest_checksum(manifest: dict) -> str:
+    """The manifest's own sections that change embeddings (config, embedder settings), hashed."""
+    import xxhash
+
+    what = {"config": manifest["config"], "embedder": manifest.get("embedder") or {}}
+    return xxhash.xxh3_128_hexdigest(json.dumps(what, sort_keys=True).encode())
 
 
 def fingerprint(config, checksums: dict[str, str]) -> str:
@@ -119,9 +129,11 @@ def save(directory, config, params, *, embedder: dict | None = None, source: str
             "config": config.to_dict(),
             "embedder": embedder or {},
             "source": source,
-            # files: every byte orbax wrote, checked before reading; tensors: the model's identity
-            "checksums": {"algorithm": CHECKSUM, "files": file_checksums(tmp), "tensors": tensor_checksums(params)},
         }
+        # files: every byte orbax wrote and the tokenizer's, checked before reading; tensors: the model's
+        # identity; manifest: its config and embedder sections (an edited norm eps or template is no such model)
+        manifest["checksums"] = {"algorithm": CHECKSUM, "files": file_checksums(tmp),
+                                 "tensors": tensor_checksums(params), "manifest": manifest_checksum(manifest)}
         _fsync_tree(tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")  # last: marks it complete
         _fsync_tree(tmp)
@@ -211,7 +223,9 @@ def load(directory, *, verify: bool = True):
     against its own recorded checksum, which is what the fingerprint is made of: params rewritten
     under a manifest whose file checksums were updated and tensor checksums not are refused by
     tensor name, not given the old model's identity. Every tensor's shape and dtype (a float type)
-    is checked against the config.
+    is checked against the config, and the tokenizer files and the manifest's config and embedder
+    sections against their checksums. With `verify=False` nothing is checked and the fingerprint is
+    None (the embedder computes one from the params if it is asked for it).
     """
     from jaxembed import models
     from jaxembed.errors import ConfigError, ConversionError
@@ -243,8 +257,15 @@ def load(directory, *, verify: bool = True):
     if checksums and checksums.get("algorithm") != CHECKSUM:
         raise ConversionError(f"{directory / MANIFEST}: checksums by {checksums.get('algorithm')!r}; this version "
                               f"of jaxembed checks {CHECKSUM!r}")
+    if verify and version >= 2 and not (checksums.get("files") and checksums.get("tensors")):
+        # every jaxembed that wrote format 2 recorded them: without them the manifest was edited
+        raise ConversionError(f"{directory / MANIFEST}: format_version 2 with no checksums; the manifest has been "
+                              "edited, so what it describes cannot be checked (convert the model again, or load with "
+                              "verify=False)")
+    # checkpoints written before the tokenizer files and the manifest were covered: params/ alone
+    covers_all = "manifest" in checksums
     if verify and checksums.get("files"):
-        _verify_files(directory, checksums["files"])
+        _verify_files(directory, checksums["files"], params_only=not covers_all)
     try:
         params = ocp.StandardCheckpointer().restore(directory / "params")
     except Exception as err:  # orbax/TensorStore errors carry a long spec: keep its first sentence
@@ -263,6 +284,12 @@ def load(directory, *, verify: bool = True):
     problems = _shape_problems(params, models.family(config).param_shapes(config))
     if problems:
         raise ConversionError(f"{directory}: params do not match {MANIFEST}'s config:\n  " + "\n  ".join(problems))
+    if verify and covers_all and checksums["manifest"] != manifest_checksum(manifest):
+        raise ConversionError(f"{directory / MANIFEST}: its config or embedder settings differ from those written "
+                              "with these weights (an edited manifest describes another model); convert again, or "
+                              "pass settings such as query_template to jaxembed.load instead")
+    if not verify:  # nothing checked: the recorded checksums vouch for nothing, the identity is computed if asked
+        return config, params, settings, None
     if recorded is None:
         warnings.warn(f"{directory}: no checksums in {MANIFEST} (written by an older jaxembed); its integrity "
                       "cannot be checked; convert it again to add them", stacklevel=2)
@@ -285,11 +312,12 @@ def _upgrade(config, params, version: int):
     return params
 
 
-def _verify_files(directory: Path, recorded: dict[str, str]) -> None:
+def _verify_files(directory: Path, recorded: dict[str, str], *, params_only: bool = False) -> None:
     from jaxembed.errors import ConversionError
 
     actual = {name: digest for name, digest in file_checksums(directory).items()
-              if not Path(name).name.startswith(".")}  # hidden files (.DS_Store, sync tools) are not the model's
+              if not Path(name).name.startswith(".")  # hidden files (.DS_Store, sync tools) are not the model's
+              and (name.startswith("params/") or not params_only)}
     missing = sorted(set(recorded) - set(actual))
     extra = sorted(set(actual) - set(recorded))
     changed = sorted(name for name in set(recorded) & set(actual) if recorded[name] != actual[name])

@@ -150,6 +150,53 @@ def test_unknown_manifest_keys_and_bad_token_ids_are_errors(saved, tmp_path):
         config_from_dict({**TINY_CONFIGS["mamba2"], "eos_token_id": 64})
 
 
+def test_the_tokenizer_and_the_manifest_sections_are_checked_and_verify_false_vouches_for_nothing(tmp_path, tokenizer):
+    """The checksums covered params/ only: a permuted tokenizer.json, an edited norm eps or template, or a
+    manifest stripped of its checksums (over another model's params) loaded silently; and verify=False gave
+    the manifest's identity to whatever params were there (a resumed corpus run mixed two models' rows)."""
+    import json
+
+    a = _save(tmp_path / "a", "mamba2", seed=0, tokenizer=tokenizer)
+    b = _save(tmp_path / "b", "mamba2", seed=3)
+    ident = checkpoint.load(a)[3]
+
+    def copy_with(edit):
+        copy = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(a, copy)
+        manifest = json.loads((copy / checkpoint.MANIFEST).read_text())
+        edit(copy, manifest)
+        (copy / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+        return copy
+
+    def permute_vocab(copy, manifest):
+        definition = json.loads((copy / "tokenizer.json").read_text())
+        vocab = definition["model"]["vocab"]
+        names = list(vocab)
+        vocab.update({names[3]: vocab[names[4]], names[4]: vocab[names[3]]})
+        (copy / "tokenizer.json").write_text(json.dumps(definition))
+
+    cases = {
+        "changed: tokenizer.json": permute_vocab,
+        "config or embedder settings differ": lambda c, m: m["config"].update(norm_eps=1e-2),
+        "config or embedder settings differ ": lambda c, m: m["embedder"].update(query_template="Q: {prompt}"),
+        "format_version 2 with no checksums": lambda c, m: m.pop("checksums"),
+        "format_version 2 with no checksums ": lambda c, m: (shutil.rmtree(c / "params"),
+                                                             shutil.copytree(b / "params", c / "params"),
+                                                             m.update(checksums={})),
+    }
+    for why, edit in cases.items():
+        copy = copy_with(edit)
+        with pytest.raises(ConversionError, match=why.strip()):
+            checkpoint.load(copy)
+    # verify=False loads what is there and claims no identity: the embedder computes it from the params
+    swapped = copy_with(lambda c, m: (shutil.rmtree(c / "params"), shutil.copytree(b / "params", c / "params")))
+    cfg, params, _, unchecked = checkpoint.load(swapped, verify=False)
+    assert unchecked is None
+    from jaxembed.embedder import Embedder
+
+    assert Embedder(params, cfg).fingerprint == checkpoint.load(b)[3] != ident
+
+
 def test_existing_outputs_are_replaced_only_on_request(tmp_path):
     first = _save(tmp_path / "ckpt", "mamba2", seed=0)
     ident = checkpoint.load(first)[3]
@@ -267,8 +314,8 @@ def test_evaluation_results_are_keyed_by_the_model(saved, tmp_path, tokenizer):
     first, second = tmp_path / "tasks-a.jsonl", tmp_path / "tasks-b.jsonl"
     first.write_text('{"q": 1}\n')
     second.write_text('{"q": 2}\n')
-    assert tasks_identity([], str(first)) != tasks_identity([], str(second))
-    assert evaluation_identity(embedder(a), args, 512, tasks_identity([], str(first))) != ra
+    assert tasks_identity(str(first)) != tasks_identity(str(second))
+    assert evaluation_identity(embedder(a), args, 512, tasks_identity(str(first))) != ra
     cfg, params, _, ident = checkpoint.load(a)
     assert Embedder(params, cfg).fingerprint == ident  # computed from the params when not recorded
 
