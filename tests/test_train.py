@@ -564,7 +564,22 @@ def test_resume_refuses_another_base_schedule_or_a_damaged_checkpoint(tmp_path):
                                               "written with, or a new checkpoint directory"):
             trainer(**changes).restore()
     assert trainer().restore() == 2
-    for item in (tmp_path / "ck" / "2" / "state").iterdir():  # the arrays of the latest checkpoint lost
+    # one value of the latest checkpoint changed under its files (orbax's chunks carry no checksum: a flipped
+    # byte restored silently): named by the digests recorded at save
+    import orbax.checkpoint as ocp
+
+    state_dir = tmp_path / "ck" / "2" / "state"
+    with ocp.StandardCheckpointer() as io:
+        state = jax.tree.map(np.array, io.restore(state_dir))
+        leaf = next(iter(jax.tree_util.tree_leaves(state["adapters"])))
+        leaf[(0,) * leaf.ndim] += 1e-3
+        io.save(tmp_path / "edited", state)
+    shutil.rmtree(state_dir)
+    shutil.move(tmp_path / "edited", state_dir)
+    with pytest.raises(CheckpointError, match=r"ck/2: checkpoint 2 is corrupt: 1 array\(s\) differ from the digests "
+                                              r"recorded when it was written \(\.adapters.*resume from checkpoint 1"):
+        trainer().restore()
+    for item in state_dir.iterdir():  # the arrays of the latest checkpoint lost
         if item.is_dir():
             shutil.rmtree(item)
     with pytest.raises(CheckpointError, match=r"ck/2: checkpoint 2 is damaged or incomplete, its state could not be "

@@ -444,6 +444,31 @@ def test_a_sources_default_instruction_keys_that_source_alone(tmp_path, tokenize
     assert tokenizer.decode(ids, skip_special_tokens=True) == "Q: search | query 0"
 
 
+def test_a_token_cache_changed_since_it_was_written_is_made_again(tmp_path, tokenizer):
+    """The file name is a key of what went in, not of the bytes: one changed int32 was read as ids (and the
+    resume check still matched); a truncated file was Arrow's error, naming no file."""
+    rows = [{"query": f"sort list number {i}", "positive": f"def f{i}(x): return sorted(x)", "negatives": ["x = 1"]}
+            for i in range(9)]
+    sources, _ = load_triples(write_jsonl(tmp_path / "code.jsonl", rows), negatives_per_query=1)
+    cache = tmp_path / "cache"
+    good = _tokenize(sources, tokenizer, cache, k=1)["code"]
+    expected = good.batch(np.arange(9), chunk_size=8)[0]
+    (arrow,) = cache.glob("tokens-*.arrow")
+    data = bytearray(arrow.read_bytes())
+    at = data.find(np.asarray(good.query.values[:3], np.int32).tobytes())  # the first query's ids in the file
+    assert at > 0
+    data[at: at + 4] = np.int32(7).tobytes()
+    arrow.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="its bytes differ from the digest written with it"):
+        again = _tokenize(sources, tokenizer, cache, k=1)["code"]
+    assert all(np.array_equal(a, b) for a, b in zip(again.batch(np.arange(9), 8)[0].values(), expected.values(),
+                                                    strict=True))
+    (cache / (arrow.name + ".xxh3")).unlink()  # no digest (an older cache): read as it is; damage is named
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    with pytest.raises(DataError, match=f"{arrow.name}: a token cache that cannot be read .*delete it"):
+        _tokenize(sources, tokenizer, cache, k=1)
+
+
 def test_the_rows_hash_cannot_be_matched_by_moving_a_separator():
     """Texts were joined with \\0 and negatives with \\1: ["g\\1d", "e"] and ["g", "d\\1e"] hashed alike, and a run on
     the second rows was fed the first rows' cached ids (and resumed the other's checkpoint)."""

@@ -4,7 +4,9 @@ cached Arrow file, then batches gathered from flat int32 arrays with numpy (no t
 The cache file's name is a hash of everything the ids depend on: the rows' texts, the tokenizer (its
 full serialisation), EOS, `max_tokens`, the query template and the source's default instruction. A cache
 file is therefore only ever read for exactly the data it was made from; `datasets` writes it to a
-temporary file and renames it, so a killed run leaves no partial cache behind.
+temporary file and renames it, so a killed run leaves no partial cache behind. A digest of its bytes is
+written beside it (`.xxh3`): a file changed since (a flipped bit, a truncated copy) is tokenized again, not
+read as ids.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import contextlib
 import dataclasses
 import hashlib
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
+from jaxembed.errors import DataError
+from jaxembed.files import write_text_atomically
 from jaxembed.text import bucket_length, cut_ids, tokenize_texts, tokenizer_identity
 
 CACHE_FORMAT = 2  # bump when the cached columns change (2: special-token strings in text are text, `text_ids`)
@@ -137,6 +142,10 @@ def tokenize_sources(
         key = hashlib.sha256(repr((CACHE_FORMAT, source, _rows_hash(ds), tok_id, eos, max_tokens,
                                    sorted(settings(source).items()))).encode("utf-8")).hexdigest()[:32]
 
+        cache_file = cache_dir / f"tokens-{key}.arrow"
+        digest_file = cache_file.with_name(cache_file.name + ".xxh3")
+        _drop_if_changed(cache_file, digest_file)
+
         def encode(batch, source=source):
             queries = [query_text(i, q, source) for q, i in zip(batch["query"], batch["instruction"], strict=True)]
             flat_negatives = [n for negs in batch["negatives"] for n in negs]
@@ -151,14 +160,42 @@ def tokenize_sources(
                     "negatives_ids": [ids[2 * b + i * k: 2 * b + (i + 1) * k] for i in range(b)],
                     "truncated": per_row_cut.tolist()}
 
-        with contextlib.nullcontext() if show_progress else quiet_datasets():
-            mapped = ds.map(encode, batched=True, batch_size=1000, remove_columns=ds.column_names, features=features,
-                            cache_file_name=str(cache_dir / f"tokens-{key}.arrow"), new_fingerprint=key,
-                            desc=f"tokenizing {source}")
+        try:
+            with contextlib.nullcontext() if show_progress else quiet_datasets():
+                mapped = ds.map(encode, batched=True, batch_size=1000, remove_columns=ds.column_names,
+                                features=features, cache_file_name=str(cache_file), new_fingerprint=key,
+                                desc=f"tokenizing {source}")
+        except (OSError, ValueError) as err:  # Arrow's reading errors say nothing of which file
+            if not cache_file.exists():
+                raise
+            raise DataError(f"{cache_file}: a token cache that cannot be read ({type(err).__name__}: "
+                            f"{str(err)[:160]}); delete it to tokenize again") from None
         if len(mapped) != len(ds):  # the cache file is named by its content; a mismatch means it is damaged
-            raise RuntimeError(f"{cache_dir / f'tokens-{key}.arrow'}: {len(mapped)} rows for {len(ds)}; delete it")
+            raise DataError(f"{cache_file}: {len(mapped)} rows for {len(ds)}; delete it to tokenize again")
+        if not digest_file.exists():  # written once, from the file as datasets left it
+            write_text_atomically(digest_file, _file_digest(cache_file) + "\n")
         out[source] = _columns(mapped, negatives_per_query, key)
     return out
+
+
+def _file_digest(path: Path) -> str:
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _drop_if_changed(cache_file: Path, digest_file: Path) -> None:
+    """A cache file whose bytes differ from the digest written with it is removed (with its digest), so it is
+    made again. One without a digest (an older jaxembed's, or one another process is finishing) is left."""
+    if not (cache_file.exists() and digest_file.exists()):
+        return
+    if digest_file.read_text().strip() != _file_digest(cache_file):
+        warnings.warn(f"{cache_file}: its bytes differ from the digest written with it (damaged); tokenizing "
+                      "again", UserWarning, stacklevel=3)
+        cache_file.unlink(missing_ok=True)
+        digest_file.unlink(missing_ok=True)
 
 
 def _list_column(array) -> TokenColumn:

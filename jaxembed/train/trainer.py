@@ -55,6 +55,30 @@ KILL_AFTER_STEP_ENV = "JAXEMBED_TRAIN_KILL_AFTER_STEP"  # test hook: SIGKILL thi
 MERGE_ROUNDING_WARN = 0.1  # the share of an adapter's update the export may round away before it warns
 
 
+def state_digest(state) -> dict[str, int]:
+    """A 32-bit digest per array of the training state, computed where the arrays live (sharded, across
+    processes) and independent of the sharding: sum over elements of bits x an odd weight of the element's
+    global index, mod 2^32, so any single flipped bit changes it. Leaf paths name the arrays."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    digests = _leaf_digests([leaf for _, leaf in leaves])
+    return {jax.tree_util.keystr(path): int(np.asarray(d.addressable_data(0))) for (path, _), d in
+            zip(leaves, digests, strict=True)}
+
+
+@jax.jit
+def _leaf_digests(leaves):
+    def digest(x):
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        bits = (x.astype(jnp.uint8) if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(x, unsigned))
+        index = jnp.zeros(x.shape, jnp.uint32)
+        for axis, size in enumerate(x.shape):  # the global flat index, without a reshape that would move shards
+            index = index * jnp.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
+        weight = index * jnp.uint32(0x9E3779B1) * jnp.uint32(2) + jnp.uint32(1)
+        return jnp.sum(bits.astype(jnp.uint32) * weight, dtype=jnp.uint32)
+
+    return [digest(x) for x in leaves]
+
+
 def initialize_distributed(cfg: TrainConfig) -> None:
     """jax.distributed for multi-host runs (before any other jax call); a no-op without the section."""
     d = cfg.distributed
@@ -400,8 +424,10 @@ class Trainer:
                              else self.cfg.lora.alpha}}
 
     def save(self, step: int, *, force: bool = False) -> None:
+        # orbax's chunks carry no checksum of their own (a flipped byte restores as a different value)
+        position = {**self._data_position(step), "state_digest": state_digest(self.state)}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(self.state),
-                                                        data=ocp.args.JsonSave(self._data_position(step))), force=force)
+                                                        data=ocp.args.JsonSave(position)), force=force)
 
     def restore(self) -> int:
         """Load the latest complete checkpoint, if any; returns the step to continue from."""
@@ -414,6 +440,18 @@ class Trainer:
         self._check_position(step, position)
         self._check_restorable(step, abstract)
         self.state = self._restore_item(step, state=ocp.args.StandardRestore(abstract))["state"]
+        recorded = position.get("state_digest")  # absent from checkpoints written before it was recorded
+        if recorded is not None:
+            actual = state_digest(self.state)
+            bad = [name for name in sorted(set(recorded) | set(actual)) if recorded.get(name) != actual.get(name)]
+            if bad:
+                earlier = [s for s in self.manager.all_steps() if s < step]
+                directory = Path(self.cfg.checkpoint.directory).expanduser() / str(step)
+                raise CheckpointError(
+                    f"{directory}: checkpoint {step} is corrupt: {len(bad)} array(s) differ from the digests recorded "
+                    f"when it was written ({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}). "
+                    + (f"Remove that directory to resume from checkpoint {max(earlier)}." if earlier else
+                       "There is no earlier checkpoint: remove it to start over."))
         self.truncated = position["truncated"]
         return step
 
