@@ -180,6 +180,7 @@ class Embedder:
         single = isinstance(texts, str)
         texts = [texts] if single else check_texts(texts)
         check_bool("normalize_embeddings", normalize_embeddings)
+        check_bool("convert_to_numpy", convert_to_numpy)
         output = dict(precision=precision, truncate_dim=truncate_dim, ranges=ranges,
                       calibration_embeddings=calibration_embeddings)
         check_output_options(self.embedding_dim, rows=len(texts), **output)
@@ -275,6 +276,9 @@ class Embedder:
             raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
         if isinstance(pieces, str):
             pieces = [pieces]
+        elif isinstance(pieces, (bytes, bytearray)):
+            raise TypeError(f"pieces must be a string or an iterable of strings, got {type(pieces).__name__}; "
+                            "decode it first")
         stream = StateStream(self.params, self.config, vertical_chunk_size=self._stream_chunk_size(
             vertical_chunk_size), runtime=self._runtime(), normalize=normalize_embeddings)
         texts = pieces if not prompt else _prefixed(prompt, pieces)
@@ -309,6 +313,9 @@ class Embedder:
 
         self._require_tokenizer()
         check_bool("normalize_embeddings", normalize_embeddings)
+        if isinstance(sections, (str, bytes, bytearray)):  # iterated, it would be one section per character
+            raise TypeError(f"sections must be an iterable of strings, one per section, got a single "
+                            f"{type(sections).__name__}; pass [text] for one section")
         stream = StateStream(self.params, self.config, vertical_chunk_size=self._stream_chunk_size(
             vertical_chunk_size), runtime=self._runtime(), normalize=normalize_embeddings)
         prefix, _ = special_ids(self.tokenizer)
@@ -370,6 +377,8 @@ class Embedder:
     def similarity(a, b) -> np.ndarray:
         """Cosine similarity matrix [n, m] (accepts [d] or [n, d] arrays)."""
         a, b = np.atleast_2d(np.asarray(a, np.float32)), np.atleast_2d(np.asarray(b, np.float32))
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
+            raise ValueError(f"similarity takes [d] or [n, d] embeddings of one d, got shapes {a.shape} and {b.shape}")
         a = a / np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), 1e-12)
         b = b / np.maximum(np.linalg.norm(b, axis=-1, keepdims=True), 1e-12)
         return a @ b.T

@@ -120,6 +120,7 @@ def embed_stream(params, config, id_pieces: Iterable[Sequence[int]], *, vertical
                          runtime=Runtime(config.chunk_size if chunk_size is None else chunk_size, kernels))
     last: list[int] = []  # the newest id, held back: it is pooled, so it must run in the final block
     for i, piece in enumerate(id_pieces):
+        _check_id_list("piece", i, piece)
         if len(piece):
             try:
                 check_token_ids([piece], config.vocab_size)
@@ -142,6 +143,7 @@ def embed_section_stream(params, config, sections: Iterable[Sequence[int]], eos:
                          runtime=Runtime(config.chunk_size if chunk_size is None else chunk_size, kernels))
     rows = []
     for i, ids in enumerate(sections):
+        _check_id_list("section", i, ids)
         if not len(ids):
             raise ValueError(f"section {i} is empty (no tokens): every section needs at least one token")
         try:
@@ -154,6 +156,14 @@ def embed_section_stream(params, config, sections: Iterable[Sequence[int]], eos:
     if not rows:
         raise ValueError("no sections to embed")
     return jnp.stack(rows)
+
+
+def _check_id_list(kind: str, i: int, ids) -> None:
+    """A piece or section is a sequence of ids: a flat id list passed where a list of them is due gives its
+    first id here, which would fail as "object of type 'int' has no len()"."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+        raise TypeError(f"{kind} {i} is a {type(ids).__name__}, not a sequence of token ids (the {kind}s are an "
+                        f"iterable of id lists: [[ids of {kind} 0], [ids of {kind} 1], ...])")
 
 
 class IncrementalTokenizer:
@@ -325,6 +335,10 @@ def _embed_sections(params, config, ids, boundaries, eos: int, V: int, runtime: 
 
 
 def _checked_sections(config, ids, boundaries):
+    from jaxembed.schedule import _concrete
+
+    # the values as given, before jnp.asarray makes int64 int32 (2**32 + 5 would be checked, and embedded, as 5)
+    concrete_ids, concrete = _concrete("ids", ids), _concrete("boundaries", boundaries)
     ids = jnp.asarray(ids)
     boundaries = jnp.asarray(boundaries)
     if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape[0] < 1:
@@ -332,9 +346,7 @@ def _checked_sections(config, ids, boundaries):
     if boundaries.ndim != 1 or not jnp.issubdtype(boundaries.dtype, jnp.integer) or boundaries.shape[0] < 1:
         raise ValueError(f"boundaries must be a non-empty int array [n] of section ends, got {boundaries.dtype} "
                          f"{boundaries.shape}")
-    try:
-        concrete_ids, concrete = np.asarray(ids), np.asarray(boundaries)
-    except jax.errors.TracerArrayConversionError:
+    if concrete_ids is None or concrete is None:
         return ids.astype(jnp.int32), boundaries  # traced: the caller's promise
     check_token_ids([concrete_ids], config.vocab_size)
     t = ids.shape[0]

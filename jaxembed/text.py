@@ -176,6 +176,8 @@ def lone_surrogate(text: str) -> str | None:
 def check_texts(texts) -> list[str]:
     if isinstance(texts, (bytes, bytearray, Mapping)) or not hasattr(texts, "__iter__"):  # a dict would give its keys
         raise TypeError(f"texts must be a string or a sequence of strings, got {type(texts).__name__}")
+    if isinstance(texts, (set, frozenset)):  # rows come back in input order: a set has none
+        raise TypeError(f"texts must be ordered (rows come back in their order), got a {type(texts).__name__}")
     texts = list(texts)
     for i, t in enumerate(texts):
         if not isinstance(t, str):

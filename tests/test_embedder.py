@@ -176,6 +176,18 @@ def test_embed_is_pure_and_composable(embedder):
     (lambda e: e.encode_stream(["ok ", "a\ud800 b"]), ValueError, "holds a lone surrogate"),
     (lambda e: jaxembed.embed(e.params, e.config, jnp.zeros((2, 8), jnp.int32), np.array([3.7, 8.0])), TypeError,
      "lengths must be ints, got dtype float"),
+    # each of these passed: one section per character, a set's arbitrary order, "no" read as true, ...
+    (lambda e: e.encode_sections("chapter one"), TypeError, "got a single str; pass \\[text\\] for one section"),
+    (lambda e: e.encode_stream(b"abc"), TypeError, "got bytes; decode it first"),
+    (lambda e: e.encode({"a", "b"}), TypeError, "texts must be ordered .*got a set"),
+    (lambda e: e.encode(["a"], convert_to_numpy="no"), TypeError, "convert_to_numpy must be True or False"),
+    (lambda e: e.similarity(np.ones((2, 3, 4)), np.ones((2, 4))), ValueError, r"got shapes \(2, 3, 4\) and \(2, 4\)"),
+    (lambda e: e.similarity(np.ones((2, 4)), np.ones((3, 5))), ValueError, "embeddings of one d"),
+    (lambda e: e.encode_id_sections([1, 2, 3]), TypeError, "section 0 is a int, not a sequence of token ids"),
+    (lambda e: jaxembed.embed_stream(e.params, e.config, [1, 2], vertical_chunk_size=8), TypeError,
+     "piece 0 is a int, not a sequence of token ids"),
+    (lambda e: jaxembed.embed_sections(e.params, e.config, np.array([2**32 + 5, 7, 9], np.int64), [1, 3],
+                                       vertical_chunk_size=8), ValueError, r"= 4294967301 is out of the vocabulary"),
 ])
 def test_bad_input_gets_a_clear_error(embedder, call, error, message):
     emb, _ = embedder
