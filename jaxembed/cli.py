@@ -471,7 +471,11 @@ def main(argv=None) -> int:
     `--debug` (before the command) shows the traceback instead."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv[:1]
-    args = build_parser().parse_args(argv[1:] if debug else argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv[1:] if debug else argv)
+    if unknown:  # named by the command's parser, so the pointer is to its --help
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -41,7 +41,9 @@ def test_usage_errors_are_one_line(capsys):
 
     for argv, why in ((["embed", "x.txt"], "jaxembed embed: error: the following arguments are required: --model"),
                       (["serve", "--model", "m", "--port", "abc"], "argument --port: invalid int value: 'abc'"),
-                      ([], "the following arguments are required: command")):
+                      ([], "the following arguments are required: command"),
+                      (["embed", "--model", "m", "--bogus"],
+                       "jaxembed embed: error: unrecognized arguments: --bogus (`jaxembed embed --help`")):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         err = capsys.readouterr().err
