@@ -148,6 +148,8 @@ def main(argv=None):
             ap.error(f"unknown method {m!r}")
     T = common.parse_int_list(args.length)[0]
     cfg = common.load_config(args.config)
+    if cfg.architecture != "mamba2":  # the params, the FLOP count and the peers are Mamba2's
+        ap.error(f"--config must be a Mamba2 config, got {cfg.architecture} ({args.config})")
     ids = common.random_ids(cfg.vocab_size, args.batch, T, args.seed)
     flops = mamba2_forward_flops(cfg, T, args.batch)
 
@@ -224,9 +226,9 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 res["run"]()
                 res["times"].append(time.perf_counter() - t0)
-            except Exception as err:
+            except Exception as err:  # its earlier timings are not a measurement of `repeats` calls
                 res["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
-                res["run"] = None
+                res["run"], res["times"] = None, []
         print(f"  repeat {rep + 1}/{args.repeats} done (load avg {os.getloadavg()[0]:.2f})", flush=True)
 
     # ---- report --------------------------------------------------------------------------------

@@ -258,6 +258,10 @@ def main(argv=None) -> int:
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    measured = [r for r in results if r.get("status") in (None, "ok")]
+    if not measured:
+        print("nothing was measured: every case failed", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

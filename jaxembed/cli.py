@@ -440,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto",
                    help="which shapes of the spec to run (auto: gpu when jax sees one)")
     p.add_argument("--output", default=None, help="output folder (default: bench-results/NAME-PLATFORM)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier run's results in the output folder")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per point (default: the spec's, 3)")
     p.add_argument("--batch", default=None, help="only these batch sizes of the spec, e.g. 1")
     p.add_argument("--lengths", default=None, help="replace the spec's lengths, e.g. 512,2k,8k")

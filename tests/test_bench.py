@@ -75,6 +75,10 @@ def test_tiny_sweep_end_to_end(tmp_path):
         assert r["vertical_chunk_size"] == expected_v
     readme = (out / "README.md").read_text()
     assert "batch 2, runtime" in readme and "Machine:" in readme and "tiny.png" in readme
+    # a rerun into the folder is refused before any point runs (a rerun cut short, or a narrowed one, left a new
+    # results.csv beside the earlier README and figure)
+    assert main(["bench", str(spec), "--platform", "cpu", "--output", str(out), "--batch", "1", "--quiet"]) == 2
+    assert len(list(csv.DictReader((out / "results.csv").read_text().splitlines()))) == 4
     from matplotlib.image import imread
 
     image = imread(out / "tiny.png")
@@ -85,10 +89,11 @@ def test_points_over_the_memory_limit_are_recorded_and_longer_ones_skipped(tmp_p
     spec = write_spec(tmp_path, [{"label": "transformer", "config": "transformer.yaml"}], lengths={1: [48, 96, 160]})
     out = tmp_path / "out"
     assert main(["bench", str(spec), "--platform", "cpu", "--output", str(out), "--memory-limit-mib", "60",
-                 "--quiet"]) == 0
+                 "--quiet"]) == 1  # nothing was measured
     rows = list(csv.DictReader((out / "results.csv").read_text().splitlines()))
     assert [r["status"] for r in rows] == ["out of memory", "skipped", "skipped"]
     assert "RSS > 60 MiB" in rows[0]["error"] and rows[1]["error"] == "after out of memory at 48"
+    assert rows[0]["memory_mib"] == "" and float(rows[0]["peak_rss_mib"]) > 60  # no measured memory, the RSS seen
     assert "OOM" in (out / "README.md").read_text()
 
 
@@ -115,6 +120,14 @@ def test_bad_specs_name_the_problem(tmp_path, capsys):
                                ("--lengths", "0,-5", "every length must be a positive number of tokens")):
         assert why in error(good, option, value), option
     assert "--platform gpu: jax sees no GPU here" in error("chunk-size", platform="gpu")  # the spec has gpu points
+    for key, value, why in (("repeats", 0, "repeats must be a positive int, got 0"),
+                            ("dtype", "float16x", "dtype must be float32 or bfloat16, got 'float16x'"),
+                            ("lengths", {1: [0]}, "every length must be a positive number of tokens")):
+        spec = write_spec(tmp_path, [{"label": "m", "config": "mamba2.yaml"}])
+        raw = yaml.safe_load(spec.read_text())
+        (raw if key == "repeats" else raw["platforms"]["cpu"])[key] = value
+        spec.write_text(yaml.safe_dump(raw))
+        assert why in error(str(spec)), key
     assert not (tmp_path / "o").exists()  # nothing ran
 
 

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from jaxembed.bench.sweep import SpecError, available, load_sweep, run_sweep
+from jaxembed.files import write_text_atomically
 
 __all__ = ["SpecError", "available", "cmd_bench", "load_sweep", "run_sweep"]
 
@@ -46,6 +47,7 @@ def cmd_bench(args) -> int:
     if platform == "gpu" and found != "gpu":  # the spec is checked; its points could not run
         raise SpecError("--platform gpu: jax sees no GPU here (its backend is cpu); run it on a GPU machine")
     out_dir = Path(args.output or f"bench-results/{sweep.name}-{platform}")
+    _clear_earlier_run(out_dir, sweep.name, overwrite=getattr(args, "overwrite", False))
     n_points = sum(len(v) for v in sweep.lengths.values()) * len(sweep.series)
     print(f"# {sweep.name} on {platform}: {len(sweep.series)} series x {n_points // len(sweep.series)} "
           f"(batch, length) points, {args.repeats or sweep.repeats} timed calls each, {sweep.dtype}; "
@@ -72,7 +74,7 @@ def cmd_bench(args) -> int:
     if flat:
         summary += ["**peak memory, max/min across lengths**", "", "| series | batch | lengths | max/min |",
                     "|---|---|---|---|", *flat, ""]
-    (out_dir / "README.md").write_text("\n".join(summary))
+    write_text_atomically(out_dir / "README.md", "\n".join(summary))
     print("\n" + tables)
     if flat:
         print("peak memory max/min across lengths:\n" + "\n".join(flat))
@@ -81,8 +83,23 @@ def cmd_bench(args) -> int:
     if failed:
         print(f"{failed} of {len(rows)} points failed with an error (the status and error columns)", file=sys.stderr)
         return 1
+    if not any(r["status"] == "ok" for r in rows):
+        print(f"none of the {len(rows)} points ran to the end (out of memory, timeout or skipped): nothing was "
+              "measured", file=sys.stderr)
+        return 1
     return 0
 
+
+def _clear_earlier_run(out_dir: Path, name: str, *, overwrite: bool) -> None:
+    """An earlier run's files in the output folder are replaced only on request, and then all of them at once:
+    results.csv is written as the points run and README.md and the figure at the end, so a rerun cut short
+    would otherwise leave a new CSV beside the old tables (and a narrowed rerun would replace a full CSV)."""
+    earlier = [out_dir / f for f in ("results.csv", "README.md", f"{name}.png") if (out_dir / f).exists()]
+    if earlier and not overwrite:
+        raise SpecError(f"{out_dir} holds an earlier run ({', '.join(p.name for p in earlier)}); pass --overwrite "
+                        "to replace it, or --output DIR")
+    for path in earlier:
+        path.unlink()
 
 def _check_options(args) -> None:
     """The run's options, before any point runs: each one that cannot make a measurement is named."""

@@ -205,6 +205,17 @@ def fmt_len(n: int) -> str:
 
 
 # ---- one point in a fresh process -------------------------------------------------------------
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGKILL when the sweep's process dies, however it dies (a plain
+    `kill PID` of the parent would leave the worker running, holding the device)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
 def run_fresh(cmd: list[str], *, timeout: float, memory_limit_mib: float | None, env: dict | None = None) -> dict:
     """Run a worker command in a fresh process under a wall-clock limit and an RSS limit.
 
@@ -213,24 +224,28 @@ def run_fresh(cmd: list[str], *, timeout: float, memory_limit_mib: float | None,
     RSS seen from outside; nothing is dropped.
     """
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=_die_with_parent)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # never block on a full pipe
     reader.start()
     killed, observed_rss = None, 0.0
-    while proc.poll() is None:
-        time.sleep(0.1)
-        rss = current_rss_mib(proc.pid)
-        if rss == rss:  # not NaN (the child may just have exited)
-            observed_rss = max(observed_rss, rss)
-        if time.perf_counter() - t0 > timeout:
-            killed = f"timeout (> {timeout:.0f} s)"
-        elif memory_limit_mib and observed_rss > memory_limit_mib:
-            killed = f"over the memory limit (RSS > {memory_limit_mib:.0f} MiB)"
-        if killed:
+    try:
+        while proc.poll() is None:
+            time.sleep(0.1)
+            rss = current_rss_mib(proc.pid)
+            if rss == rss:  # not NaN (the child may just have exited)
+                observed_rss = max(observed_rss, rss)
+            if time.perf_counter() - t0 > timeout:
+                killed = f"timeout (> {timeout:.0f} s)"
+            elif memory_limit_mib and observed_rss > memory_limit_mib:
+                killed = f"over the memory limit (RSS > {memory_limit_mib:.0f} MiB)"
+            if killed:
+                break
+    finally:  # killed too when this process is stopped (SIGTERM, Ctrl-C): no orphan holding the device
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
-            break
     reader.join(timeout=5)
     out = {"wall_s": time.perf_counter() - t0}
     for line in lines:

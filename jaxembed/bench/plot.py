@@ -70,6 +70,8 @@ def figure(rows: list[dict], sweep, path: Path, subtitle: str = "") -> Path:
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    from jaxembed.files import write_atomically
+
+    write_atomically(path, lambda f: fig.savefig(f, dpi=120, format="png"))
     plt.close(fig)
     return path

@@ -29,6 +29,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +122,12 @@ def load_sweep(name_or_path: str, platform: str) -> Sweep:
     for batch, values in plat["lengths"].items():
         if not isinstance(batch, int) or batch < 1 or not isinstance(values, list) or not values:
             raise SpecError(f"{path}: lengths must map batch sizes to lists of lengths, got {batch!r}: {values!r}")
-        lengths[batch] = sorted(measure.parse_length(v) for v in values)
+        try:
+            lengths[batch] = sorted(measure.parse_length(v) for v in values)
+        except ValueError as err:
+            raise SpecError(f"{path}: {err}") from None
+        if lengths[batch][0] < 1:
+            raise SpecError(f"{path}: every length must be a positive number of tokens, got {values!r}")
     series = []
     for i, entry in enumerate(plat["series"]):
         missing = {"label", "config"} - set(entry)
@@ -132,14 +138,24 @@ def load_sweep(name_or_path: str, platform: str) -> Sweep:
             raise SpecError(f"{path}: series {entry['label']!r}: model config {config} does not exist")
         series.append(Series(entry["label"], str(config), dict(entry.get("overrides") or {}),
                              entry.get("chunk_size"), entry.get("vertical_chunk_size")))
+    repeats = spec.get("repeats", 3)
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:  # each point would fail
+        raise SpecError(f"{path}: repeats must be a positive int, got {repeats!r}")
+    if plat["dtype"] not in ("float32", "bfloat16"):
+        raise SpecError(f"{path}: platforms.{platform}.dtype must be float32 or bfloat16, got {plat['dtype']!r}")
     return Sweep(spec.get("name", path.stem), spec.get("title", path.stem), path, platform, plat["dtype"],
-                 int(spec.get("repeats", 3)), lengths, tuple(series))
+                 repeats, lengths, tuple(series))
 
 
 def detect_platform() -> str:
-    import jax
-
-    return "gpu" if jax.default_backend() == "gpu" else "cpu"
+    """Asked of a child process: a backend started here would hold device memory (jax takes 75% of a GPU
+    up front) for the whole sweep, and every point's worker would run in what is left."""
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    out = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], env=env,
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SpecError(f"jax could not start a backend here: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+    return "gpu" if out.stdout.strip().splitlines()[-1] == "gpu" else "cpu"
 
 
 def series_config(s: Series):
@@ -217,13 +233,14 @@ def _row_from_result(res: dict, batch: int, length: int, platform: str) -> dict:
         row["times_s"] = " ".join(f"{t:.5f}" for t in res["times_s"])
     if row["status"] == "ok":
         row["tokens_per_s"] = round(batch * length / res["mean_s"], 1)
+    # memory_mib is a measurement only for a point that ran (a killed one's RSS stays in peak_rss_mib)
     if platform == "gpu":
         row["memory_kind"] = "device peak_bytes_in_use"
-        if "peak_device_mib" in row:
+        if "peak_device_mib" in row and row["status"] == "ok":
             row["memory_mib"] = row["peak_device_mib"]
     else:
         row["memory_kind"] = "process peak RSS"
-        if "peak_rss_mib" in row:
+        if "peak_rss_mib" in row and row["status"] == "ok":
             row["memory_mib"] = row["peak_rss_mib"]
     return row
 
