@@ -508,7 +508,16 @@ def test_config_values_out_of_range_are_named():
 
     base = {"model": {"init": "configs/models/tiny-train-mamba2.yaml"}, "data": {"train": ["x.jsonl"]}}
     for section, values, message in [
-        ("train", {"weight_decay": -0.1}, r"train.weight_decay must be >= 0, got -0.1"),
+        ("train", {"weight_decay": -0.1}, r"train.weight_decay must be a non-negative, finite number, got -0.1"),
+        # NaN and inf passed `<= 0`: inf trained nothing (every logit 0) and exited 0, NaN "diverged"
+        ("train", {"temperature": float("inf")}, r"train.temperature must be a positive, finite number, got inf"),
+        ("train", {"learning_rate": float("nan")}, r"train.learning_rate must be a positive, finite number, got nan"),
+        ("train", {"weight_decay": float("nan")}, r"train.weight_decay must be a non-negative, finite number"),
+        ("lora", {"rank": 4, "alpha": float("nan")}, r"lora alpha must be a positive, finite number, got nan"),
+        ("model", {"path": "m", "init": None, "init_options": {"A_init_range": [1, 2]}},
+         "model.init_options applies to `init`"),
+        ("model", {"chunk_size": 0}, r"model.chunk_size must be a positive int or null"),
+        ("eval", {"max_queries": 5}, "eval.max_queries caps the held-out queries, and there is no data.heldout"),
         ("model", {"seed": -1}, r"train.seed and model.seed must be >= 0, got 0 and -1"),
         ("eval", {"k": 0}, r"eval.k must be positive, got 0"),
         ("eval", {"batch_size": 0}, r"eval.batch_size must be positive, got 0"),
@@ -549,8 +558,17 @@ def test_resume_refuses_another_base_schedule_or_a_damaged_checkpoint(tmp_path):
         (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
         return Trainer(load_train_config(tmp_path / "c.yaml"), show_progress=False)
 
-    first = trainer()
+    with pytest.warns(UserWarning, match="eval.k=10 is at least the 5 held-out documents: recall@10 is 1"):
+        first = trainer()
     assert len(first.heldout) == 5 and "held-out: read 5 rows, kept 5" in first.data_summary()
+    # the model FLOPs of a step: 4N with the base frozen (no weight gradients), 6N in full training
+    assert first.flops_per_token == 4 * first.matmul_params
+    full = dataclasses.replace(load_train_config(tmp_path / "c.yaml"), lora=None)
+    assert Trainer(full, show_progress=False).flops_per_token == 6 * first.matmul_params
+    # eval.max_queries caps the queries, not the documents they are ranked among (a cut pool was easier)
+    capped = trainer(eval={"max_queries": 2, "k": 3})
+    assert "the first 2 queries evaluated against all 5" in capped.data_summary()
+    assert capped.evaluate()["docs"] == 5
     for step in (1, 2):
         first.save(step, force=True)
     first.manager.wait_until_finished()

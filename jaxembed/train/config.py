@@ -20,6 +20,7 @@ See configs/train/*.yaml for complete examples, the paper's runs among them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -73,7 +74,7 @@ class TrainSection:
     weight_decay: float = 0.1
     temperature: float = 0.02
     epochs: int = 1
-    max_steps: int | None = None
+    max_steps: int | None = None  # the run is min(max_steps, epochs x steps per epoch) steps: raise epochs too
     seed: int = 0
     log_every: int = 10  # metrics read back from the device every N steps (no host sync per step)
     # the batch's texts sorted by length into this many equal groups, each padded to its own bucket
@@ -136,6 +137,17 @@ class TrainConfig:
         if self.lora is None and self.quantization is not None:
             raise ConfigError("quantization: nf4 (QLoRA) trains LoRA adapters on a frozen 4-bit base; with lora: null "
                               "(full-parameter training) set quantization: null")
+        alpha = None if self.lora is None else self.lora.alpha
+        if alpha is not None and (not isinstance(alpha, (int, float)) or isinstance(alpha, bool)
+                                  or not 0 < alpha < math.inf):
+            raise ConfigError(f"lora alpha must be a positive, finite number, got {alpha!r}")
+        if self.model.init_options and self.model.path is not None:
+            raise ConfigError("model.init_options applies to `init` (random weights), not to a checkpoint `path`")
+        if self.model.chunk_size is not None and (not isinstance(self.model.chunk_size, int)
+                                                  or isinstance(self.model.chunk_size, bool)
+                                                  or self.model.chunk_size < 1):
+            raise ConfigError(f"model.chunk_size must be a positive int or null (the model's), got "
+                              f"{self.model.chunk_size!r}")
         if self.model.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"model.dtype must be float32 or bfloat16, got {self.model.dtype!r}")
         check_query_template(self.data.query_template, name="data.query_template", error=ConfigError)
@@ -151,14 +163,16 @@ class TrainConfig:
             raise ConfigError(f"train.grad_cache_size={t.grad_cache_size} must divide train.batch_size={t.batch_size}")
         if t.max_steps is not None and t.max_steps < 1:
             raise ConfigError(f"train.max_steps must be positive or null, got {t.max_steps}")
-        if t.temperature <= 0 or t.learning_rate <= 0:
-            raise ConfigError("train.temperature and train.learning_rate must be positive")
+        for name in ("temperature", "learning_rate", "weight_decay"):  # NaN and inf pass a plain `<= 0`
+            value = getattr(t, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0 \
+                    or (value == 0 and name != "weight_decay"):
+                raise ConfigError(f"train.{name} must be a {'non-negative' if name == 'weight_decay' else 'positive'},"
+                                  f" finite number, got {value!r}")
         if self.data.negatives_per_query < 0 or self.data.max_tokens < 2:
             raise ConfigError("data.negatives_per_query must be >= 0 and data.max_tokens >= 2")
         if self.checkpoint.every < 1 or self.checkpoint.keep < 1:
             raise ConfigError("checkpoint.every and checkpoint.keep must be positive")
-        if t.weight_decay < 0:
-            raise ConfigError(f"train.weight_decay must be >= 0, got {t.weight_decay}")
         if t.seed < 0 or self.model.seed < 0:
             raise ConfigError(f"train.seed and model.seed must be >= 0, got {t.seed} and {self.model.seed}")
         e = self.eval
@@ -166,6 +180,8 @@ class TrainConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be positive{' or null' if name == 'eval.max_queries' else ''}, "
                                   f"got {value}")
+        if e.max_queries is not None and not self.data.heldout:
+            raise ConfigError("eval.max_queries caps the held-out queries, and there is no data.heldout")
         if e.every < 0:
             raise ConfigError(f"eval.every must be >= 0 (0: before the first and after the last step), got {e.every}")
         bad = {source: text for source, text in self.data.instructions.items()

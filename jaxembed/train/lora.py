@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +42,8 @@ class LoraConfig:
 
     def __post_init__(self):
         check_positive_int("lora rank", self.rank)
-        if not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
-            raise ValueError(f"lora alpha must be a positive number, got {self.alpha!r}")
+        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not 0 < self.alpha < math.inf:
+            raise ValueError(f"lora alpha must be a positive, finite number, got {self.alpha!r}")
         if isinstance(self.targets, (list, tuple)):
             targets = tuple(self.targets)
             object.__setattr__(self, "targets", "all" if targets == ("all",) else targets)

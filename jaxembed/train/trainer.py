@@ -213,8 +213,12 @@ class Trainer:
             heldout, self.heldout_report = data_lib.load_triples(cfg.data.heldout, negatives_per_query=0)
             self.heldout = [row for ds in heldout.values() for row in ds]
             _check_heldout_apart(train_files, cfg.data.heldout, self.sources, self.heldout)
-            if cfg.eval.max_queries is not None:
-                self.heldout = self.heldout[: cfg.eval.max_queries]
+        # the first eval.max_queries queries, each ranked among all held-out positives (a cut pool would be easier)
+        self.heldout_queries = (self.heldout[: cfg.eval.max_queries] if self.heldout and cfg.eval.max_queries
+                                else self.heldout)
+        if self.heldout and cfg.eval.k >= len({r["positive"] for r in self.heldout}):
+            warnings.warn(f"eval.k={cfg.eval.k} is at least the {len({r['positive'] for r in self.heldout})} held-out "
+                          f"documents: recall@{cfg.eval.k} is 1 whatever the model", UserWarning, stacklevel=2)
         self._check_room_for_queries()
         # every text tokenized once, up front (cached by content); the loop only gathers ids
         self.tokens = pipeline.tokenize_sources(
@@ -259,6 +263,12 @@ class Trainer:
         self.step_bytes: dict = {}  # grad_cache_size -> device bytes of the step at the longest batch
         self.matmul_params = sum(int(np.prod(self.stored_params["layers"][n].shape))
                                  for n in self.family.LINEAR_PARAMS if n in self.stored_params["layers"])
+        # 2N forward + 2N for the activations' gradients + 2N for the weights' gradients of the trained matrices:
+        # a frozen base (LoRA, QLoRA) has none of the last (the adapters' own FLOPs are negligible)
+        trained = self.matmul_params if cfg.lora is None else sum(
+            int(np.prod(self.stored_params["layers"][n].shape)) for n in self.family.LINEAR_PARAMS
+            if n in self.stored_params["layers"] and n in cfg.lora.modules_to_save)
+        self.flops_per_token = 4 * self.matmul_params + 2 * trained
         self.peak_flops = sh.peak_flops(self.mesh)  # for model FLOP utilisation; None where unknown
         self.grad_cache_size = self._fit_grad_cache(t.grad_cache_size, memory_limit_bytes)
         self.length_groups = self._length_groups(self.grad_cache_size)
@@ -528,10 +538,10 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Held-out retrieval: recall@k of each query's positive among all held-out positives."""
-        rows = self.heldout
+        rows = self.heldout_queries
         model = self.embedder()
         kwargs = dict(batch_size=self.cfg.eval.batch_size, max_length=self.cfg.data.max_tokens, show_progress_bar=False)
-        docs = sorted({r["positive"] for r in rows})
+        docs = sorted({r["positive"] for r in self.heldout})
         doc_index = {d: i for i, d in enumerate(docs)}
         with warnings.catch_warnings():  # truncation to data.max_tokens is the configured behaviour here
             warnings.simplefilter("ignore", UserWarning)
@@ -590,7 +600,7 @@ class Trainer:
         values = jax.device_get([m for _, _, m, _ in pending])
         seconds = max(time.perf_counter() - window_start - compile_s, 1e-9)
         tokens = sum(b.tokens for _, b, _, _ in pending)
-        flops = 6 * self.matmul_params * tokens  # model FLOPs (forward + backward), no recompute counted
+        flops = self.flops_per_token * tokens  # model FLOPs (forward + backward), no recompute counted
         window = {"tokens_per_s": tokens / seconds, "input_wait_share": input_wait_s / seconds,
                   "mfu": None if self.peak_flops is None else flops / seconds / self.peak_flops,
                   "compile_s": compile_s}
@@ -662,6 +672,8 @@ class Trainer:
                 if len(pending) >= self.cfg.train.log_every or saving or evaluating or step + 1 == kill_after:
                     flush()
                 self.save(step + 1, force=last)
+                if saving:  # the save's device-to-host copy is not the steps' time (the window was flushed)
+                    window_start = time.perf_counter()
                 if evaluating:
                     record({"step": step + 1, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
                     window_start = time.perf_counter()
@@ -687,8 +699,9 @@ class Trainer:
                          + ", ".join(f"{name} {n}" for name, n in self.leftover.items() if n) + ")")
         if self.heldout_report is not None:
             parts.append(f"held-out: {self.heldout_report.summary()}"
-                         + (f", the first {len(self.heldout)} evaluated (eval.max_queries)"
-                            if len(self.heldout) < self.heldout_report.kept else ""))
+                         + (f", the first {len(self.heldout_queries)} queries evaluated against all "
+                            f"{len(self.heldout)} (eval.max_queries)"
+                            if len(self.heldout_queries) < len(self.heldout) else ""))
         parts.append(f"{self.steps_per_epoch} steps per epoch, {self.total_steps} steps")
         return "; ".join(parts)
 
