@@ -108,6 +108,14 @@ def test_rejects_misshaped_state():
     v = inputs(seed=7, t=8)
     with pytest.raises(ValueError, match="initial_state has shape"):
         ssd.chunked(v["x"], v["dt"], v["A"], v["B"], v["C"], chunk_size=8, initial_state=np.zeros((1, 2, 3, 4)))
+    # A > 0 (a growth, not a decay) gave outputs 9e-2 (XLA) and 4e-1 (kernel) off the recurrence, with no error
+    from jaxembed import kernels
+
+    A = np.array(v["A"]).copy()
+    A[0] = 0.05
+    for op, kw in ((ssd.chunked, {}), (kernels.ssd_chunked, {"backend": "interpret"})):
+        with pytest.raises(ValueError, match=r"A must be <= 0 \(a decay rate, -exp\(A_log\)\), got 1 other value"):
+            op(v["x"], v["dt"], A, v["B"], v["C"], chunk_size=8, **kw)
 
 
 @pytest.mark.parametrize("t, has_bias, dtype", [(37, True, "float32"), (2, False, "float32"), (19, True, "bfloat16")])

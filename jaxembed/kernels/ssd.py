@@ -360,6 +360,7 @@ def chunked(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_limit=(0.0, 
     (`ssd_backward`) for sequences of at most 8 chunks (`ssd_backward.chunk_length`), else `jax.vjp` of the reference
     (run with chunk_size). Returns (y [b, t, h, p] in x's dtype, final state [b, h, p, n] float32)."""
     ref._heads_per_group(x, B, C)
+    ref.check_decay_rates(A)
     if x.ndim != 4 or dt.shape != x.shape[:3] or B.shape[:2] != x.shape[:2]:
         raise ValueError(f"expected x [b, t, h, p], dt [b, t, h], B and C [b, t, g, n]; got x {x.shape}, "
                          f"dt {dt.shape}, B {B.shape}")
@@ -393,6 +394,7 @@ def chunked_xbc(xbc, dt, A, *, heads: int, head_dim: int, groups: int, state_siz
     """`ops.ssd.chunked_xbc` computed by the Pallas kernel, which reads x, B and C as column blocks
     of xbc [b, t, h*p + 2*g*n] (no split copies) when `packable`, else from split copies."""
     b, t, width = xbc.shape
+    ref.check_decay_rates(A)
     if width != heads * head_dim + 2 * groups * state_size or dt.shape != (b, t, heads):
         raise ValueError(f"expected xbc [b, t, h*p + 2*g*n] = [{b}, {t}, {heads * head_dim + 2 * groups * state_size}] "
                          f"and dt [b, t, h] = [{b}, {t}, {heads}]; got xbc {xbc.shape}, dt {dt.shape}")
@@ -506,6 +508,7 @@ def conv_chunked(proj, A, conv_state, conv_weight, conv_bias, *, offset: int, he
     None initial state is zero and never read; final_state=False returns None for the final state,
     which is then never written (a layer whose state is dropped: training, horizontal embedding)."""
     b, t, _ = proj.shape
+    ref.check_decay_rates(A)
     conv_dim, k = heads * head_dim + 2 * groups * state_size, conv_weight.shape[0]
     if conv_weight.shape != (k, conv_dim) or conv_state.shape != (b, k - 1, conv_dim) or k < 1:
         raise ValueError(f"expected conv weight [k, {conv_dim}] and conv state [{b}, k-1, {conv_dim}]; got "

@@ -71,6 +71,22 @@ def _heads_per_group(x, B, C=None):
     return h // g
 
 
+def check_decay_rates(A) -> None:
+    """A [h] is a decay rate, A <= 0 (Mamba2's -exp(A_log)): the chunked forms clamp a decay's exponent at 0
+    and take a chunk's decay as its smallest cumulative one, so A > 0 would give wrong outputs, not an error.
+    Checked when A's values are known (a traced A, inside a model under jit, is the model's -exp(A_log))."""
+    import numpy as np
+
+    try:
+        values = np.asarray(A)
+    except jax.errors.TracerArrayConversionError:
+        return
+    if values.size and not (values <= 0).all():
+        bad = values[~(values <= 0)]
+        raise ValueError(f"A must be <= 0 (a decay rate, -exp(A_log)), got {bad.size} other value(s), e.g. "
+                         f"{float(bad.reshape(-1)[0])!r}")
+
+
 def _check_state(initial_state, x, B):
     b, _, h, p = x.shape
     return common.initial_state(initial_state, (b, h, p, B.shape[-1]))
@@ -237,6 +253,7 @@ def chunked(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_limit=(0.0, 
     which leaves the final state exactly as after the last real token.
     """
     _heads_per_group(x, B, C)
+    check_decay_rates(A)
     b, t, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     state = _check_state(initial_state, x, B)
