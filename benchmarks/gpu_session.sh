@@ -63,7 +63,7 @@ $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 for s in "$@"; do
     case $s in
         headline) step headline 300 $PY -m jaxembed.cli bench model-comparison --batch 1 --lengths 32k,128k \
-            --series "Mamba2 (Codestral 7B),Mistral 7B v0.1 (window 4096)" --timeout 120 --output "$OUT/headline" ;;
+            --series "Mamba2 (Codestral 7B),Mistral 7B v0.1 (window 4096)" --timeout 120 --overwrite --output "$OUT/headline" ;;
         breakdown-mamba2) step breakdown-mamba2 200 $PY benchmarks/gpu_breakdown.py --families mamba2 --layers 4 \
             --cases 1x32k --json "$OUT/breakdown-mamba2.json" ;;
         check) step check ${CHECK_LIMIT:-420} $PY benchmarks/kernels.py --only check --out "$OUT/check" ;;
@@ -84,7 +84,7 @@ for s in "$@"; do
             benchmarks/gpu_breakdown.py --families mamba2,rwkv7,xlstm --layers 4 --cases 1x32k,32x4k \
             --json "$OUT/breakdown-dsf.json" ;;
         compare) step compare 540 $PY -m jaxembed.cli bench model-comparison --batch 1 --lengths 8k,32k,128k \
-            --timeout 120 --output "$OUT/compare" ;;
+            --timeout 120 --overwrite --output "$OUT/compare" ;;
         warm) step warm 300 $PY benchmarks/warm_start.py --how api,cli --max-length 4096 --threads 16 ;;
         train)
             step corpus 240 $PY -m jaxembed.cli corpus packages data/packages

@@ -290,7 +290,10 @@ def main(argv=None):
         stem = "" if default else "_" + Path(args.config).stem
         args.csv = args.csv or str(HERE / "results" / f"speed_memory{stem}.csv")
         args.png = args.png or str(HERE / "results" / f"speed_memory{stem}.png")
-    return worker(args) if args.worker else parent(args)
+    if args.worker:
+        measure.die_with_parent()
+        return worker(args)
+    return parent(args)
 
 
 if __name__ == "__main__":

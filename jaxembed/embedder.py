@@ -141,13 +141,15 @@ class Embedder:
         return out, truncated
 
     def _check_room_after(self, prompt: str, max_length: int | None) -> None:
-        """A prompt that fills max_length on its own cuts every text to the same ids: identical embeddings."""
+        """A prompt that fills max_length on its own cuts every text to the same ids: identical embeddings.
+        Counted alone, a prompt may hold one token more than in context (a trailing space that byte-level BPE
+        merges into the text's first word), so only a prompt longer than max_length - 1 by that count is refused."""
         if max_length is None or not prompt:
             return
         self._require_tokenizer()
         check_positive_int("max_length", max_length)
         n = len(tokenize_texts(self.tokenizer, [prompt], self.eos_token_id)[0][0])
-        if n >= max_length:
+        if n > max_length:
             raise ValueError(f"the prompt {prompt[:60]!r} is {n - 1} tokens: with EOS, max_length={max_length} leaves "
                              "no token of the texts (each would embed as the prompt alone); raise max_length or "
                              "shorten the prompt")

@@ -113,10 +113,10 @@ def test_max_length_truncates_with_a_count(embedder, tokenizer):
     # a prompt that fills max_length alone would give every text the same ids: refused, with the lengths
     prompt = "Instruction: find the code that does this\nQuery: "
     n = len(tokenizer(prompt)["input_ids"])
-    with pytest.raises(ValueError, match=f"the prompt .* is {n} tokens: with EOS, max_length={n + 1} leaves no token"):
+    with pytest.raises(ValueError, match=f"the prompt .* is {n} tokens: with EOS, max_length={n} leaves no token"):
+        emb.encode(TEXTS[:2], prompt=prompt, max_length=n)
+    with pytest.warns(UserWarning, match="truncated [12] of 2"):  # the prompt's last space may merge into a text
         emb.encode(TEXTS[:2], prompt=prompt, max_length=n + 1)
-    with pytest.warns(UserWarning, match="truncated [12] of 2"):
-        emb.encode(TEXTS[:2], prompt=prompt, max_length=n + 2)  # one token of each text: allowed
 
 
 def test_buckets_bound_the_number_of_programs(hf_model_dir):

@@ -177,7 +177,7 @@ def test_mteb_offline_end_to_end_on_every_task_type(stdlib_rows, monkeypatch):
     assert abs(scores[sts.metadata.name][1] - rho) < 1e-6
 
 
-def test_missing_data_is_named(monkeypatch, capsys):
+def test_missing_data_is_named(monkeypatch, capsys, tmp_path):
     """No hub: the error names each task's dataset and revision, before any encoding."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import datasets.config
@@ -194,6 +194,10 @@ def test_missing_data_is_named(monkeypatch, capsys):
         run.resolve_tasks(None, ", ,", None)
     # an alias is run under its canonical name (the paper's rows are keyed by it)
     assert run.resolve_tasks("MTEB(eng)", None, None)[1] == "MTEB(eng, v2)"
+    # a dot in a name is not an extension: "STS22.v2" and "STS22" runs keep their own summaries
+    assert run.run_label(None, [mteb.get_task("STS22.v2")], None) != run.run_label(None, [mteb.get_task("STS22")], None)
+    run.write_summary("m/x", {"STS22": ("STS", 0.5)}, "MTEB(rus, v1.1)", tmp_path / "MTEB_rus_v1.1", [], [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["MTEB_rus_v1.1.json", "MTEB_rus_v1.1.md"]
     long_tasks, _ = run.resolve_tasks(None, "LEMBPasskeyRetrieval,LEMBQMSumRetrieval", None)
     assert run.default_max_length(None, long_tasks) == 32768 and run.default_max_length(None, tasks) == 512
     from jaxembed import cli

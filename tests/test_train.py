@@ -722,7 +722,7 @@ def test_init_options_reach_the_family_init():
         init_params(arch, dataclasses.replace(cfg.model, init_options={"A_init_range": [2, 1]}))
 
 
-def test_grad_cache_auto_fits_the_step_in_memory(tmp_path):
+def test_grad_cache_auto_fits_the_step_in_memory(tmp_path, monkeypatch):
     """grad_cache_size: auto picks the largest GradCache size whose compiled step (memory_analysis)
     fits the device; an explicit size that does not fit is an error naming one that does."""
     import yaml
@@ -759,6 +759,13 @@ def test_grad_cache_auto_fits_the_step_in_memory(tmp_path):
     assert all(0 <= r["input_wait_share"] < 1 and r["tokens_per_s"] > 0 and r["mfu"] is None for r in steps)
     # the first window compiled the step: that time is its own field, not in the throughput
     assert steps[0]["compile_s"] > 0
+    # save() is called every step and orbax decides: the state's digest (a device pass) only when it saves
+    from jaxembed.train import trainer as trainer_module
+
+    digests = []
+    monkeypatch.setattr(trainer_module, "state_digest", lambda state: digests.append(1) or {})
+    trainer.save(3)
+    assert digests == [] and trainer.manager.latest_step() == 2
     tick = time.perf_counter()
     batch = trainer.batch(0)
     (row,) = trainer._rows([(0, batch, {"loss": 1.0}, 0)], tick - 100.0, 0.5, 99.0)

@@ -442,6 +442,16 @@ def test_a_sources_default_instruction_keys_that_source_alone(tmp_path, tokenize
     assert calls and all("Q: search | query 0" in texts for texts in calls)  # b alone was tokenized again
     ids = after["b"].batch(np.array([0]), chunk_size=8)[0]["query_ids"][0]
     assert tokenizer.decode(ids, skip_special_tokens=True) == "Q: search | query 0"
+    # a checkpoint recorded under the earlier scheme (one key of every source's instructions) still matches
+    from jaxembed.train.pipeline import tokenize_sources
+
+    old_settings = {"template": "Q: {prompt} | ", "instructions": [("a", "find"), ("b", "search")]}
+    common = dict(tokenizer=tokenizer, eos=tokenizer.eos_token_id, max_tokens=32, cache_dir=tmp_path / "cache",
+                  negatives_per_query=1, show_progress=False, query_text=lambda i, q, s: q)
+    old = tokenize_sources(sources, settings=lambda source: old_settings, **common)
+    new = tokenize_sources(sources, settings=lambda source: {"instruction": source}, legacy_settings=old_settings,
+                           **common)
+    assert {s: t.legacy_fingerprint for s, t in new.items()} == {s: t.fingerprint for s, t in old.items()}
 
 
 def test_a_token_cache_changed_since_it_was_written_is_made_again(tmp_path, tokenizer):

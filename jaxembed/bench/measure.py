@@ -205,16 +205,25 @@ def fmt_len(n: int) -> str:
 
 
 # ---- one point in a fresh process -------------------------------------------------------------
-def _die_with_parent() -> None:
-    """In the child, before exec (Linux): SIGKILL when the sweep's process dies, however it dies (a plain
-    `kill PID` of the parent would leave the worker running, holding the device)."""
+PARENT_ENV = "JAXEMBED_BENCH_PARENT"  # the pid of the process that started a worker (`run_fresh`)
+
+
+def die_with_parent() -> None:
+    """Called first in a worker (Linux): SIGKILL when the process that started it dies, however it dies (a plain
+    `kill PID` of the sweep would leave the worker running, holding the device). Set in the worker rather than
+    in a preexec_fn, which is unsafe in a parent with threads; a parent gone before it was set ends it now."""
     import ctypes
     import signal
 
+    parent = int(os.environ.get(PARENT_ENV, "0") or 0)
+    if not parent:
+        return
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    if os.getppid() != parent:
+        os._exit(1)
 
 def run_fresh(cmd: list[str], *, timeout: float, memory_limit_mib: float | None, env: dict | None = None) -> dict:
     """Run a worker command in a fresh process under a wall-clock limit and an RSS limit.
@@ -224,8 +233,8 @@ def run_fresh(cmd: list[str], *, timeout: float, memory_limit_mib: float | None,
     RSS seen from outside; nothing is dropped.
     """
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            preexec_fn=_die_with_parent)
+    env = {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}  # see die_with_parent
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # never block on a full pipe
     reader.start()

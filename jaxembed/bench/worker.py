@@ -137,6 +137,7 @@ def run(point: dict) -> dict:
 
 
 def main(argv=None) -> int:
+    measure.die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: python -m jaxembed.bench.worker '<json point>'")

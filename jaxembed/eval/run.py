@@ -143,8 +143,8 @@ def write_summary(model_name: str, scores, benchmark: str | None, output: Path, 
     """OUTPUT.md (the table) and OUTPUT.json (the numbers, truncation and instruction use)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     table = markdown_table(model_name, scores, benchmark)
-    write_text_atomically(output.with_suffix(".md"), f"# {model_name}: {benchmark or 'selected tasks'}\n\n{table}")
-    write_text_atomically(output.with_suffix(".json"), json.dumps(
+    write_text_atomically(output.with_name(output.name + ".md"), f"# {model_name}: {benchmark or 'selected tasks'}\n\n{table}")
+    write_text_atomically(output.with_name(output.name + ".json"), json.dumps(
         {"model": model_name, "benchmark": benchmark,
          "scores": {k: {"type": t, "main_score": s} for k, (t, s) in scores.items()},
          **aggregate(scores), "encode_calls": calls, "tasks_without_encode_record": unrecorded}, indent=2))
@@ -180,7 +180,7 @@ def check_scores(scores, summary: Path) -> None:
     if bad:
         raise DataError(f"{len(bad)} task(s) scored no number: "
                         + ", ".join(f"{name} {score}" for name, score in sorted(bad.items()))
-                        + f"; the means are not results (see {summary.with_suffix('.json')}: identical embeddings "
+                        + f"; the means are not results (see {summary.with_name(summary.name + '.json')}: identical embeddings "
                         "give nan, e.g. when every text is cut to the same instruction prefix)")
 
 
@@ -238,10 +238,10 @@ def cmd_eval(args) -> int:
     summary = output / "summary" / name.replace("/", "__") / revision / run_label(benchmark, tasks, args.local_tasks)
     table = write_summary(name, scores, benchmark, summary, calls, unrecorded)
     print(table)
-    print(f"summary: {summary.with_suffix('.md')}", file=sys.stderr)
+    print(f"summary: {summary.with_name(summary.name + '.md')}", file=sys.stderr)
     truncated = sum(c["truncated"] for c in calls)
     if truncated:
-        print(f"{truncated} texts were cut to {max_length} tokens (per call: summary.json)", file=sys.stderr)
+        print(f"{truncated} texts were cut to {max_length} tokens (per call: the summary .json)", file=sys.stderr)
     if unrecorded:
         print(f"no record of the encode calls (prefixes, cuts) of {len(unrecorded)} cached task(s): "
               f"{', '.join(unrecorded)}; rerun with --overwrite always to make one", file=sys.stderr)

@@ -56,6 +56,9 @@ class TokenizedSource:
     truncated: np.ndarray  # [rows] int32: texts of the row cut to max_tokens
     negatives_per_query: int
     fingerprint: str
+    # the key the same ids had when every source's key held all sources' instructions (before 2026-11-28):
+    # a checkpoint recorded with it resumes
+    legacy_fingerprint: str | None = None
 
     def __len__(self) -> int:
         return len(self.truncated)
@@ -117,6 +120,7 @@ def tokenize_sources(
     cache_dir: str | os.PathLike,
     negatives_per_query: int,
     show_progress: bool = True,
+    legacy_settings: dict | None = None,
 ) -> dict[str, TokenizedSource]:
     """Tokenize every source once (``datasets.map(batched=True)``, cached in `cache_dir`).
 
@@ -139,8 +143,13 @@ def tokenize_sources(
     })
     out = {}
     for source, ds in sources.items():
-        key = hashlib.sha256(repr((CACHE_FORMAT, source, _rows_hash(ds), tok_id, eos, max_tokens,
-                                   sorted(settings(source).items()))).encode("utf-8")).hexdigest()[:32]
+        rows_hash = _rows_hash(ds)
+
+        def cache_key(what: dict, source=source, rows_hash=rows_hash) -> str:
+            return hashlib.sha256(repr((CACHE_FORMAT, source, rows_hash, tok_id, eos, max_tokens,
+                                        sorted(what.items()))).encode("utf-8")).hexdigest()[:32]
+
+        key = cache_key(settings(source))
 
         cache_file = cache_dir / f"tokens-{key}.arrow"
         digest_file = cache_file.with_name(cache_file.name + ".xxh3")
@@ -174,7 +183,9 @@ def tokenize_sources(
             raise DataError(f"{cache_file}: {len(mapped)} rows for {len(ds)}; delete it to tokenize again")
         if not digest_file.exists():  # written once, from the file as datasets left it
             write_text_atomically(digest_file, _file_digest(cache_file) + "\n")
-        out[source] = _columns(mapped, negatives_per_query, key)
+        out[source] = dataclasses.replace(
+            _columns(mapped, negatives_per_query, key),
+            legacy_fingerprint=None if legacy_settings is None else cache_key(legacy_settings))
     return out
 
 

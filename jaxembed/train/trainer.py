@@ -228,8 +228,12 @@ class Trainer:
             settings=lambda source: {"query_template": self.query_template,
                                      "instruction": cfg.data.instructions.get(source, "")},
             cache_dir=cfg.token_cache_dir, negatives_per_query=cfg.data.negatives_per_query,
-            show_progress=self.show_progress)
+            show_progress=self.show_progress,
+            legacy_settings={"query_template": self.query_template,
+                             "instructions": sorted(cfg.data.instructions.items())})
         self.data_fingerprint = ",".join(f"{name}:{t.fingerprint}" for name, t in sorted(self.tokens.items()))
+        self.legacy_data_fingerprint = ",".join(f"{name}:{t.legacy_fingerprint}"
+                                                for name, t in sorted(self.tokens.items()))
         self.steps_per_epoch = sum(n // t.batch_size for n in self.sizes.values())
         if self.steps_per_epoch == 0:
             raise ConfigError(
@@ -434,6 +438,8 @@ class Trainer:
                              else self.cfg.lora.alpha}}
 
     def save(self, step: int, *, force: bool = False) -> None:
+        if not (force or self.manager.should_save(step)):  # called every step: orbax decides, no device sync
+            return
         # orbax's chunks carry no checksum of their own (a flipped byte restores as a different value)
         position = {**self._data_position(step), "state_digest": state_digest(self.state)}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(self.state),
@@ -487,6 +493,8 @@ class Trainer:
         for key in ("seed", "batch_size", "sizes", "data", "base"):
             if key in ("base",) and key not in position:
                 continue  # written before this was recorded
+            if key == "data" and position.get(key) == self.legacy_data_fingerprint:
+                continue  # the same data, recorded under the earlier key scheme
             if position.get(key) != expected[key]:
                 differences.append({
                     "data": "other training data or tokenization (texts, tokenizer, max_tokens, template, "
