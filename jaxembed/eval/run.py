@@ -143,7 +143,8 @@ def write_summary(model_name: str, scores, benchmark: str | None, output: Path, 
     """OUTPUT.md (the table) and OUTPUT.json (the numbers, truncation and instruction use)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     table = markdown_table(model_name, scores, benchmark)
-    write_text_atomically(output.with_name(output.name + ".md"), f"# {model_name}: {benchmark or 'selected tasks'}\n\n{table}")
+    title = f"# {model_name}: {benchmark or 'selected tasks'}"
+    write_text_atomically(output.with_name(output.name + ".md"), f"{title}\n\n{table}")
     write_text_atomically(output.with_name(output.name + ".json"), json.dumps(
         {"model": model_name, "benchmark": benchmark,
          "scores": {k: {"type": t, "main_score": s} for k, (t, s) in scores.items()},
@@ -178,10 +179,11 @@ def check_scores(scores, summary: Path) -> None:
     error naming it, after the summary is written for a look: a mean with NaN in it is no result."""
     bad = {name: score for name, (_, score) in scores.items() if not math.isfinite(score)}
     if bad:
+        numbers = summary.with_name(summary.name + ".json")
         raise DataError(f"{len(bad)} task(s) scored no number: "
                         + ", ".join(f"{name} {score}" for name, score in sorted(bad.items()))
-                        + f"; the means are not results (see {summary.with_name(summary.name + '.json')}: identical embeddings "
-                        "give nan, e.g. when every text is cut to the same instruction prefix)")
+                        + f"; the means are not results (see {numbers}: identical embeddings give nan, e.g. when "
+                        "every text is cut to the same instruction prefix)")
 
 
 def default_max_length(benchmark: str | None, tasks) -> int:
