@@ -461,13 +461,8 @@ class Trainer:
             actual = state_digest(self.state)
             bad = [name for name in sorted(set(recorded) | set(actual)) if recorded.get(name) != actual.get(name)]
             if bad:
-                earlier = [s for s in self.manager.all_steps() if s < step]
-                directory = Path(self.cfg.checkpoint.directory).expanduser() / str(step)
-                raise CheckpointError(
-                    f"{directory}: checkpoint {step} is corrupt: {len(bad)} array(s) differ from the digests recorded "
-                    f"when it was written ({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}). "
-                    + (f"Remove that directory to resume from checkpoint {max(earlier)}." if earlier else
-                       "There is no earlier checkpoint: remove it to start over."))
+                raise self._damaged(step, f"is corrupt: {len(bad)} array(s) differ from the digests recorded when "
+                                          f"it was written ({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''})")
         self.truncated = position["truncated"]
         return step
 
@@ -478,13 +473,16 @@ class Trainer:
             return self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-            earlier = [s for s in self.manager.all_steps() if s < step]
-            directory = Path(self.cfg.checkpoint.directory).expanduser() / str(step)
-            raise CheckpointError(
-                f"{directory}: checkpoint {step} is damaged or incomplete, its {' and '.join(items)} could not be "
-                f"read ({type(err).__name__}: {first}). "
-                + (f"Remove that directory to resume from checkpoint {max(earlier)}." if earlier else
-                   "There is no earlier checkpoint: remove it to start over.")) from None
+            raise self._damaged(step, f"is damaged or incomplete, its {' and '.join(items)} could not be read "
+                                      f"({type(err).__name__}: {first})") from None
+
+    def _damaged(self, step: int, what: str) -> CheckpointError:
+        """A CheckpointError naming checkpoint `step`'s directory and the one to fall back to."""
+        earlier = [s for s in self.manager.all_steps() if s < step]
+        directory = Path(self.cfg.checkpoint.directory).expanduser() / str(step)
+        return CheckpointError(f"{directory}: checkpoint {step} {what}. "
+                               + (f"Remove that directory to resume from checkpoint {max(earlier)}." if earlier else
+                                  "There is no earlier checkpoint: remove it to start over."))
 
     def _check_position(self, step: int, position: dict) -> None:
         """The checkpoint's data position and settings are this run's, or a ConfigError names each difference."""
