@@ -122,21 +122,52 @@ def test_blockwise_attention_against_the_definition(t, window, block):
         assert rel_err(g, d) < TOLERANCE["float32"]
 
 
-def test_qwen2_window_on_some_layers_only_is_refused():
-    """A window on some layers only (max_window_layers inside the stack, or mixed layer_types) is named
-    and refused; layer_types, when present, decide over max_window_layers, as in transformers."""
-    from jaxembed.convert import ConversionError
-    from jaxembed.convert.transformer import _qwen2_window
+def test_sliding_windows_are_read_as_transformers_reads_them(tmp_path):
+    """Each layer's window as transformers' AutoConfig reads config.json (the reference): one window for every
+    layer is taken, a window on some layers only is refused by name. A Mistral config without `sliding_window`
+    has transformers' default 4096 (it was read as none), and one with `layer_types` is Ministral, whose entries
+    decide (it was windowed on every layer)."""
+    import json
 
-    base = dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8)
-    assert _qwen2_window({**base, "max_window_layers": 0}, "x") == 8
-    assert _qwen2_window({**base, "max_window_layers": 4}, "x") is None
-    assert _qwen2_window({**base, "use_sliding_window": False, "max_window_layers": 0}, "x") is None
-    assert _qwen2_window({**base, "layer_types": ["sliding_attention"] * 4, "max_window_layers": 28}, "x") == 8
-    with pytest.raises(ConversionError, match=r"x: Qwen2 with a sliding window on 3 of its 4 layers \(from "
-                                              r"max_window_layers=1\) is not supported"):
-        _qwen2_window({**base, "max_window_layers": 1}, "x")
-    with pytest.raises(ConversionError, match="on 1 of its 4 layers .from layer_types"):
-        _qwen2_window({**base, "layer_types": ["full_attention"] * 3 + ["sliding_attention"]}, "x")
+    from transformers import AutoConfig
+
+    from jaxembed.convert import ConversionError
+    from jaxembed.convert.transformer import _window
+
+    def hf_windows(raw):
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        hf = AutoConfig.from_pretrained(tmp_path)
+        types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+        return [hf.sliding_window if t == "sliding_attention" else None for t in types]
+
+    mistral = dict(model_type="mistral", num_hidden_layers=4)
+    qwen2 = dict(model_type="qwen2", num_hidden_layers=4, use_sliding_window=True, sliding_window=8)
+    mixed = ["full_attention", "sliding_attention"] * 2
+    cases = [mistral, {**mistral, "sliding_window": None}, {**mistral, "sliding_window": 8},
+             {**mistral, "sliding_window": 8, "layer_types": ["full_attention"] * 4},
+             {**mistral, "sliding_window": 8, "layer_types": ["sliding_attention"] * 4},
+             {**mistral, "sliding_window": 8, "layer_types": mixed},
+             {**qwen2, "max_window_layers": 0}, {**qwen2, "max_window_layers": 4}, {**qwen2, "max_window_layers": 1},
+             {**qwen2, "use_sliding_window": False, "max_window_layers": 0},
+             {**qwen2, "layer_types": ["sliding_attention"] * 4, "max_window_layers": 28},
+             {**qwen2, "layer_types": ["full_attention"] * 3 + ["sliding_attention"]},
+             {k: v for k, v in qwen2.items() if k != "sliding_window"} | {"max_window_layers": 0}]
+    for raw in cases:
+        expected = hf_windows(raw)
+        if len(set(expected)) == 1:
+            assert _window(raw, "x") == expected[0], raw
+        else:
+            sliding = sum(w is not None for w in expected)
+            with pytest.raises(ConversionError, match=f"x: {raw['model_type']} with a sliding window on {sliding} of "
+                                                      "its 4 layers .* is not supported"):
+                _window(raw, "x")
     with pytest.raises(ConversionError, match="layer_types has 3 entries for 4 layers"):
-        _qwen2_window({**base, "layer_types": ["full_attention"] * 3}, "x")
+        _window({**qwen2, "layer_types": ["full_attention"] * 3}, "x")
+    # transformers' "swish" is SiLU (it was refused); GELU is not
+    from jaxembed.convert.transformer import _config
+
+    base = dict(model_type="mistral", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=64)
+    assert _config({**base, "hidden_act": "swish"}, "x") == _config({**base, "hidden_act": "silu"}, "x")
+    with pytest.raises(ConversionError, match="hidden_act='gelu'; only SiLU"):
+        _config({**base, "hidden_act": "gelu"}, "x")

@@ -54,7 +54,7 @@ def detect(directory: Path):
 def _config(raw: dict, origin: str) -> TransformerConfig:
     model_type = raw["model_type"]
     try:
-        if raw.get("hidden_act", "silu") != "silu":
+        if raw.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' "swish" is SiLU
             raise ConversionError(f"{origin}: hidden_act={raw['hidden_act']!r}; only SiLU (SwiGLU) is supported")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
@@ -62,9 +62,7 @@ def _config(raw: dict, origin: str) -> TransformerConfig:
                 f"{origin}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported"
             )
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-        window = raw.get("sliding_window")
-        if model_type == "qwen2":
-            window = _qwen2_window(raw, origin)
+        window = _window(raw, origin)
         eos = raw.get("eos_token_id")
         return TransformerConfig(
             vocab_size=raw["vocab_size"], d_model=raw["hidden_size"], n_layers=raw["num_hidden_layers"],
@@ -78,25 +76,30 @@ def _config(raw: dict, origin: str) -> TransformerConfig:
         raise ConversionError(f"{origin}: not a valid {model_type} config (missing field {err})") from None
 
 
-def _qwen2_window(raw: dict, origin: str):
-    """Qwen2's window as transformers reads it: a layer slides when its `layer_types` entry says so, and
-    when the config has none, layers from `max_window_layers` on (28 by default) slide if
-    `use_sliding_window`; without `use_sliding_window` there is no window at all. One window for
-    every layer or for none is supported."""
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+def _window(raw: dict, origin: str):
+    """The sliding window as transformers reads the config. Its size: `sliding_window`, 4096 when the key is
+    absent (transformers' default; null is none). Which layers slide: for Qwen2, those whose `layer_types` entry
+    says so, or without `layer_types` those from `max_window_layers` on (28 by default), and only with
+    `use_sliding_window`; for Mistral every layer, except that a config with `layer_types` is read by
+    transformers as Ministral, whose entries decide. One window for every layer or for none is supported."""
     n = raw["num_hidden_layers"]
-    first_sliding = raw.get("max_window_layers", 28)
-    types = raw.get("layer_types") or ["sliding_attention" if i >= first_sliding else "full_attention"
-                                       for i in range(n)]
+    window = raw.get("sliding_window", 4096)
+    if raw["model_type"] == "qwen2":
+        window = window if raw.get("use_sliding_window", False) else None
+        first_sliding = raw.get("max_window_layers", 28)
+        default = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(n)]
+        named_by = "layer_types" if raw.get("layer_types") else f"max_window_layers={first_sliding}"
+    else:
+        default, named_by = ["sliding_attention"] * n, "layer_types (read by transformers as Ministral)"
+    types = raw.get("layer_types") or default
     if len(types) != n:
         raise ConversionError(f"{origin}: layer_types has {len(types)} entries for {n} layers")
     sliding = sum(t == "sliding_attention" for t in types) if window is not None else 0
     if sliding == 0:
         return None
     if sliding < n:
-        raise ConversionError(f"{origin}: Qwen2 with a sliding window on {sliding} of its {n} layers (from "
-                              f"{'layer_types' if raw.get('layer_types') else f'max_window_layers={first_sliding}'}) "
-                              f"is not supported; a window on every layer or on none is")
+        raise ConversionError(f"{origin}: {raw['model_type']} with a sliding window on {sliding} of its {n} layers "
+                              f"(from {named_by}) is not supported; a window on every layer or on none is")
     return window
 
 
