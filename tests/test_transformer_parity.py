@@ -132,7 +132,7 @@ def test_sliding_windows_are_read_as_transformers_reads_them(tmp_path):
     from transformers import AutoConfig
 
     from jaxembed.convert import ConversionError
-    from jaxembed.convert.transformer import _window
+    from jaxembed.convert.transformer import _config, _window
 
     def hf_windows(raw):
         (tmp_path / "config.json").write_text(json.dumps(raw))
@@ -163,8 +163,26 @@ def test_sliding_windows_are_read_as_transformers_reads_them(tmp_path):
                 _window(raw, "x")
     with pytest.raises(ConversionError, match="layer_types has 3 entries for 4 layers"):
         _window({**qwen2, "layer_types": ["full_attention"] * 3}, "x")
+    # RoPE as AutoConfig reads it: a legacy rope_scaling over rope_parameters (a linear scaling was taken as plain
+    # RoPE, 2.5e-1 off), the theta from the dict taken, else the top level
+    for rope in (dict(rope_scaling={"rope_type": "default"}, rope_parameters={"rope_type": "default",
+                                                                             "rope_theta": 5e5}),
+                 dict(rope_scaling={"type": "default"}, rope_theta=2e5),
+                 dict(rope_parameters={"rope_type": "default", "rope_theta": 5e5}, rope_theta=2e5),
+                 dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
+                      rope_parameters={"rope_type": "default", "rope_theta": 5e5})):
+        raw = {**mistral, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 64, "intermediate_size": 64,
+               **rope}
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        expected = AutoConfig.from_pretrained(tmp_path).rope_parameters
+        if expected.get("rope_type", expected.get("type")) == "default":
+            assert _config(raw, "x").rope_theta == expected["rope_theta"], rope
+        else:
+            with pytest.raises(ConversionError, match="x: rope scaling 'linear' is not supported"):
+                _config(raw, "x")
+    with pytest.raises(ConversionError, match="x: rope_theta must be a positive number, got 'abc'"):
+        _config({**raw, "rope_scaling": None, "rope_parameters": None, "rope_theta": "abc"}, "x")
     # transformers' "swish" is SiLU (it was refused); GELU is not
-    from jaxembed.convert.transformer import _config
 
     base = dict(model_type="mistral", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                 intermediate_size=64)

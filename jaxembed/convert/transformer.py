@@ -3,6 +3,7 @@ wrappers, `save_pretrained` layout): config.json with model_type "mistral" or "q
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from jaxembed.convert.core import TRANSPOSE, ExportLayout, Rule
@@ -56,12 +57,15 @@ def _config(raw: dict, origin: str) -> TransformerConfig:
     try:
         if raw.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' "swish" is SiLU
             raise ConversionError(f"{origin}: hidden_act={raw['hidden_act']!r}; only SiLU (SwiGLU) is supported")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        # transformers takes a (legacy) rope_scaling over rope_parameters when a config holds both
+        rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise ConversionError(
                 f"{origin}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported"
             )
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+            raise ConversionError(f"{origin}: rope_theta must be a positive number, got {theta!r}")
         window = _window(raw, origin)
         eos = raw.get("eos_token_id")
         return TransformerConfig(
