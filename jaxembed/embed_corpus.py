@@ -175,6 +175,8 @@ def _read_tables(corpus: Corpus, rows_per_table: int) -> Iterator:
     done = 0
     try:
         for table in dataset.with_format("arrow").iter(batch_size=rows_per_table):
+            if corpus.format == "parquet":  # by name: datasets keeps the file's column order, not the one asked for
+                table = table.select([corpus.text_field] + ([corpus.id_field] if corpus.id_field else []))
             table = table.rename_columns(["text", "id"][: table.num_columns])
             if done == 0 and corpus.format == "text":
                 table = _without_byte_order_mark(table)
@@ -347,6 +349,10 @@ def _check_table(corpus: Corpus, table, start: int) -> None:
         if values.null_count:
             first = int(pc.index(pc.is_null(values), True).as_py())
             raise DataError(f"{corpus.path}, row {start + first}: field {name!r} is null")
+        limit = 2**63 - 1  # as in jsonl, ids are int64 or strings: a uint64 column may hold more
+        if column == "id" and pa.types.is_uint64(values.type) and len(values) and pc.max(values).as_py() > limit:
+            first, value = next((i, v) for i, v in enumerate(values.to_pylist()) if v > limit)
+            raise DataError(f"{corpus.path}, row {start + first}: id {value} does not fit int64")
     if corpus.id_field is not None and corpus.id_type is not None:
         kind = "int" if pa.types.is_integer(table.column("id").type) else "str"
         if kind != corpus.id_type:

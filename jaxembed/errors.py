@@ -47,8 +47,9 @@ def warn_every_time(message: str, category: type[Warning], stacklevel: int = 1) 
     """`warnings.warn`, every time: Python's default action shows a message once per call site, so a loop of
     encode calls would report only its first cut. The filters still apply ("ignore", "error", "once")."""
     frame = sys._getframe(stacklevel)
+    # no module_globals: linecache would ask `python -c`'s or the REPL's __main__ loader for source, which raises
     warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
-                           module=frame.f_globals.get("__name__"), registry=None, module_globals=frame.f_globals)
+                           module=frame.f_globals.get("__name__"), registry=None)
 
 
 def check_positive_int(name: str, value, *, optional: bool = False, error: type[Exception] = ValueError) -> None:

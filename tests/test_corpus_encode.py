@@ -116,7 +116,8 @@ def test_shards_equal_encode_and_read_every_format(work):
     assert manifest["identity"]["corpus"]["rows"] == ROWS and work["stats"]["batches"] == ROWS // BATCH
 
     (path / "corpus.txt").write_text("".join(t + "\n" for t in texts), encoding="utf-8")
-    pq.write_table(pa.table({"body": texts, "key": list(range(ROWS))}), path / "corpus.parquet", row_group_size=10)
+    # the id column first: columns were taken by position, so the ids were embedded and the texts kept as ids
+    pq.write_table(pa.table({"key": list(range(ROWS)), "body": texts}), path / "corpus.parquet", row_group_size=10)
     embed_corpus(model, path / "corpus.txt", path / "txt", shard_size=SHARD, batch_size=BATCH,
                  show_progress_bar=False)
     embed_corpus(model, path / "corpus.parquet", path / "parquet", text_field="body", id_field="key",
@@ -149,6 +150,8 @@ def test_bad_input_and_another_runs_directory_are_refused(work, capsys):
     (bad / "latin1.txt").write_bytes(b"ok\ncaf\xe9\n")
     pq.write_table(pa.table({"text": ["a", None, "c"]}), bad / "null.parquet")
     pq.write_table(pa.table({"text": [1, 2]}), bad / "ints.parquet")
+    pq.write_table(pa.table({"text": ["a", "b"], "id": pa.array([1, 2**64 - 1], pa.uint64())}),
+                   bad / "huge_id.parquet")
     expect = {
         "missing.jsonl": "missing.jsonl: no such file",
         "missing_field.jsonl": "missing_field.jsonl, line 2 (row 1): no field 'text' (fields: 'id', 'body')",
@@ -161,10 +164,12 @@ def test_bad_input_and_another_runs_directory_are_refused(work, capsys):
         "latin1.txt": "latin1.txt, line 2: not valid UTF-8 (byte 0xe9 at column 4)",
         "null.parquet": "null.parquet, row 1: field 'text' is null",
         "ints.parquet": "ints.parquet, row 0: field 'text' is int64 (1), not a string",
+        "huge_id.parquet": "huge_id.parquet, row 1: id 18446744073709551615 does not fit int64",  # was accepted
         "corpus.csv": "unsupported corpus file type '.csv'",
     }
     for name, message in expect.items():
-        assert cli.main(args(model_dir, bad / name, bad / "out", id_field="id" if "jsonl" in name else None)) == 2
+        with_ids = "jsonl" in name or name == "huge_id.parquet"
+        assert cli.main(args(model_dir, bad / name, bad / "out", id_field="id" if with_ids else None)) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, (name, err)
     assert not (bad / "out").exists()  # refused before anything was written

@@ -119,6 +119,19 @@ def test_max_length_truncates_with_a_count(embedder, tokenizer):
         emb.encode(TEXTS[:2], prompt=prompt, max_length=n + 1)
 
 
+def test_a_truncation_warning_under_python_dash_c_is_a_warning():
+    """`warn_every_time` handed linecache `__main__`'s globals: under `python -c` (and the REPL) that raised
+    ImportError instead of warning."""
+    import subprocess
+    import sys
+
+    code = ("from jaxembed.errors import TruncationWarning, warn_every_time\n"
+            "warn_every_time('max_length=4: truncated 1 of 1 texts', TruncationWarning)\nprint('went on')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == "went on\n", out.stderr
+    assert "TruncationWarning: max_length=4: truncated 1 of 1 texts" in out.stderr
+
+
 def test_buckets_bound_the_number_of_programs(hf_model_dir):
     path, _ = hf_model_dir
     emb = jaxembed.load(path)
