@@ -186,7 +186,19 @@ def _read_tables(corpus: Corpus, rows_per_table: int) -> Iterator:
     except (DataError, KeyboardInterrupt):
         raise
     except Exception as err:  # a parse error the checks could not name, or a file that changed under us
+        if done == 0 and corpus.format == "parquet" and _parquet_rows(corpus.path) == 0:
+            raise DataError(f"{corpus.path}: no records to embed") from None
         raise DataError(f"{corpus.path}: cannot read record {done} onwards: {type(err).__name__}: {err}") from None
+
+
+def _parquet_rows(path: Path) -> int | None:
+    """The row count in a parquet file's footer (None if unreadable): datasets fails on an empty file."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception:
+        return None
 
 
 def _without_byte_order_mark(table):
@@ -536,18 +548,25 @@ def load_corpus_embeddings(output_dir, *, verify: bool = True) -> tuple[np.ndarr
     path = out / MANIFEST
     if not path.is_file():
         raise DataError(f"{out}: no {MANIFEST} (the run has not finished: run the same command again)")
-    manifest = json.loads(path.read_text(encoding="utf-8"))
-    arrays, ids = [], [] if manifest.get("ids") else None
-    for entry in manifest["shards"]:
-        data = (out / entry["embeddings"]).read_bytes()
-        if verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise DataError(f"{out / entry['embeddings']}: checksum differs from the manifest's")
-        arrays.append(np.load(io.BytesIO(data), allow_pickle=False))
-        if ids is not None:
-            raw = (out / entry["ids"]).read_bytes()
-            if verify and hashlib.sha256(raw).hexdigest() != entry["ids_sha256"]:
-                raise DataError(f"{out / entry['ids']}: checksum differs from the manifest's")
-            ids.extend(json.loads(raw))
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        arrays, ids = [], [] if manifest.get("ids") else None
+        for entry in manifest["shards"]:
+            data = (out / entry["embeddings"]).read_bytes()
+            if verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+                raise DataError(f"{out / entry['embeddings']}: checksum differs from the manifest's")
+            arrays.append(np.load(io.BytesIO(data), allow_pickle=False))
+            if ids is not None:
+                raw = (out / entry["ids"]).read_bytes()
+                if verify and hashlib.sha256(raw).hexdigest() != entry["ids_sha256"]:
+                    raise DataError(f"{out / entry['ids']}: checksum differs from the manifest's")
+                ids.extend(json.loads(raw))
+    except DataError:
+        raise
+    except FileNotFoundError as err:  # a listed file removed: named, as the checksums' failures are
+        raise DataError(f"{err.filename}: listed in {path} but missing") from None
+    except (ValueError, KeyError, TypeError) as err:  # a manifest cut short or edited (JSONDecodeError: ValueError)
+        raise DataError(f"{path}: not a readable manifest of a finished run ({type(err).__name__}: {err})") from None
     return np.concatenate(arrays), ids
 
 

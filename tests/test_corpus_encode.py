@@ -150,6 +150,7 @@ def test_bad_input_and_another_runs_directory_are_refused(work, capsys):
     (bad / "latin1.txt").write_bytes(b"ok\ncaf\xe9\n")
     pq.write_table(pa.table({"text": ["a", None, "c"]}), bad / "null.parquet")
     pq.write_table(pa.table({"text": [1, 2]}), bad / "ints.parquet")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), bad / "empty.parquet")
     pq.write_table(pa.table({"text": ["a", "b"], "id": pa.array([1, 2**64 - 1], pa.uint64())}),
                    bad / "huge_id.parquet")
     expect = {
@@ -164,6 +165,7 @@ def test_bad_input_and_another_runs_directory_are_refused(work, capsys):
         "latin1.txt": "latin1.txt, line 2: not valid UTF-8 (byte 0xe9 at column 4)",
         "null.parquet": "null.parquet, row 1: field 'text' is null",
         "ints.parquet": "ints.parquet, row 0: field 'text' is int64 (1), not a string",
+        "empty.parquet": "empty.parquet: no records to embed",  # was Arrow's "BatchSize must be greater than 0"
         "huge_id.parquet": "huge_id.parquet, row 1: id 18446744073709551615 does not fit int64",  # was accepted
         "corpus.csv": "unsupported corpus file type '.csv'",
     }
@@ -207,6 +209,12 @@ def test_bad_input_and_another_runs_directory_are_refused(work, capsys):
         embed_corpus(work["model"], work["corpus"], damaged, **options)
     (damaged / "shard-00001.ids.json").write_text('["doc-16"]')
     with pytest.raises(DataError, match="shard-00001.ids.json: checksum differs from the manifest's"):
+        load_corpus_embeddings(damaged)
+    # the reader names a listed file that is gone and a manifest cut short (they were bare Python errors)
+    with pytest.raises(DataError, match="shard-00002.npy: listed in .*manifest.json but missing"):
+        load_corpus_embeddings(damaged, verify=False)
+    (damaged / "manifest.json").write_text((damaged / "manifest.json").read_text()[:50])
+    with pytest.raises(DataError, match="manifest.json: not a readable manifest of a finished run"):
         load_corpus_embeddings(damaged)
     (bad / "notes").mkdir()
     (bad / "notes/todo.txt").write_text("mine")
