@@ -216,9 +216,10 @@ class Trainer:
         # the first eval.max_queries queries, each ranked among all held-out positives (a cut pool would be easier)
         self.heldout_queries = (self.heldout[: cfg.eval.max_queries] if self.heldout and cfg.eval.max_queries
                                 else self.heldout)
-        if self.heldout and cfg.eval.k >= len({r["positive"] for r in self.heldout}):
-            warnings.warn(f"eval.k={cfg.eval.k} is at least the {len({r['positive'] for r in self.heldout})} held-out "
-                          f"documents: recall@{cfg.eval.k} is 1 whatever the model", UserWarning, stacklevel=2)
+        documents = len({r["positive"] for r in self.heldout or []})
+        if self.heldout and cfg.eval.k >= documents:
+            warnings.warn(f"eval.k={cfg.eval.k} is at least the {documents} held-out documents: recall@{cfg.eval.k} "
+                          "is 1 whatever the model", UserWarning, stacklevel=2)
         self._check_room_for_queries()
         # every text tokenized once, up front (cached by content); the loop only gathers ids
         self.tokens = pipeline.tokenize_sources(
@@ -265,13 +266,13 @@ class Trainer:
         self.state_shardings = sh.param_shardings(state, self.mesh)
         self.state = sh.put(state, self.state_shardings)
         self.step_bytes: dict = {}  # grad_cache_size -> device bytes of the step at the longest batch
-        self.matmul_params = sum(int(np.prod(self.stored_params["layers"][n].shape))
-                                 for n in self.family.LINEAR_PARAMS if n in self.stored_params["layers"])
+        linear = {n: int(np.prod(self.stored_params["layers"][n].shape))
+                  for n in self.family.LINEAR_PARAMS if n in self.stored_params["layers"]}
+        self.matmul_params = sum(linear.values())
         # 2N forward + 2N for the activations' gradients + 2N for the weights' gradients of the trained matrices:
         # a frozen base (LoRA, QLoRA) has none of the last (the adapters' own FLOPs are negligible)
         trained = self.matmul_params if cfg.lora is None else sum(
-            int(np.prod(self.stored_params["layers"][n].shape)) for n in self.family.LINEAR_PARAMS
-            if n in self.stored_params["layers"] and n in cfg.lora.modules_to_save)
+            size for n, size in linear.items() if n in cfg.lora.modules_to_save)
         self.flops_per_token = 4 * self.matmul_params + 2 * trained
         self.peak_flops = sh.peak_flops(self.mesh)  # for model FLOP utilisation; None where unknown
         self.grad_cache_size = self._fit_grad_cache(t.grad_cache_size, memory_limit_bytes)
