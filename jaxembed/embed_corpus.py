@@ -10,8 +10,8 @@ finished; `manifest.json`, written once every shard is there, lists them all wit
 checksums, under an identity (model fingerprint, corpus size and sha256, every option that changes the
 numbers). Every file is written atomically, and a shard is listed only after its files are complete, so a run
 killed at any point and started again with the same arguments redoes only the shards not listed: no gap, no
-duplicate, and the same bytes as an uninterrupted run. A run whose identity differs from the one DIR records is
-refused, unless `overwrite`.
+duplicate, and the same bytes as an uninterrupted run. A listed shard whose files no longer match their checksums
+is recomputed. A run whose identity differs from the one DIR records is refused, unless `overwrite`.
 
 Data parallel: each batch is split over the process's local devices (a one-axis `Mesh`, one jit, the batch
 axis sharded, params replicated). Under `jax.distributed`, process p of P takes the shards s with s % P == p
@@ -436,9 +436,11 @@ def _read_manifests(out: Path) -> list[tuple[str, dict]]:
     return found
 
 
-def check_directory(out: Path, identity: dict, *, partial: bool = False) -> dict[int, dict]:
+def check_directory(out: Path, identity: dict, *, partial: bool = False) -> dict[int, list[dict]]:
     """Refuse a DIR that holds another run's embeddings (or files that are not ours); the shards already finished
-    there, by index. partial: compare only the parts of the identity given (before the model is loaded)."""
+    there, by index: each one's distinct entries in the manifests (a shard recomputed after damage is listed
+    anew while an older manifest keeps its old entry). partial: compare only the parts of the identity given
+    (before the model is loaded)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(f"--output-dir {out} is a file; name a directory")
@@ -451,7 +453,7 @@ def check_directory(out: Path, identity: dict, *, partial: bool = False) -> dict
             names = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
             raise DataError(f"--output-dir {out} is not empty ({names}) and holds no corpus embeddings: choose a new "
                             "or empty directory, or pass --overwrite")
-    done: dict[int, dict] = {}
+    done: dict[int, list[dict]] = {}
     for name, manifest in manifests:
         diffs = _differences(manifest.get("identity"), identity, partial=partial)
         if diffs:
@@ -459,12 +461,43 @@ def check_directory(out: Path, identity: dict, *, partial: bool = False) -> dict
                             f"{'; '.join(diffs[:6])}{'; ...' if len(diffs) > 6 else ''}. Use a new directory, or "
                             "pass --overwrite to replace them")
         for entry in manifest.get("shards", []):
-            done[int(entry["index"])] = entry
+            candidates = done.setdefault(int(entry["index"]), [])
+            if entry not in candidates:
+                candidates.append(entry)
     return done
 
 
-def _prepare_directory(out: Path, identity: dict, process: int, processes: int, overwrite: bool) -> dict[int, dict]:
-    """Check (or, with overwrite, clear) DIR for this run; the shards already finished, by index."""
+def _shard_files(entry: dict) -> list[tuple[str, str]]:
+    """(file name, recorded sha256) of each file of a shard entry."""
+    return [(entry[key], entry.get(digest_key)) for key, digest_key in (("ids", "ids_sha256"),
+                                                                        ("embeddings", "sha256")) if key in entry]
+
+
+def _shard_problem(out: Path, entry: dict, known: dict[str, str]) -> str | None:
+    """Why the shard's files do not match its entry (missing, or another checksum), or None. known: digests this
+    process has already computed (file name -> sha256), so no file is hashed twice in one run."""
+    for name, digest in _shard_files(entry):
+        now = known[name] if name in known else _file_sha256(out / name)
+        if now != digest:
+            changed = "has changed since it was written (checksum differs)"
+            return f"{out / name} {'is missing' if now is None else changed}"
+    return None
+
+
+def _usable_entry(out: Path, candidates: list[dict], known: dict[str, str]) -> tuple[dict | None, str | None]:
+    """The first entry whose files are intact (and record their digests in known), else (None, the problem)."""
+    problem = None
+    for entry in candidates:
+        problem = _shard_problem(out, entry, known)
+        if problem is None:
+            known.update(_shard_files(entry))
+            return entry, None
+    return None, problem
+
+
+def _prepare_directory(out: Path, identity: dict, process: int, processes: int,
+                       overwrite: bool) -> dict[int, list[dict]]:
+    """Check (or, with overwrite, clear) DIR for this run; the shards already finished (`check_directory`)."""
     done = {} if overwrite else check_directory(out, identity)
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):
@@ -491,37 +524,34 @@ def _write_process_manifest(out: Path, identity: dict, process: int, processes: 
     write_text_atomically(out / process_manifest_name(process), json.dumps(manifest, indent=1) + "\n")
 
 
-def _merge(out: Path, identity: dict, corpus: Corpus, shard_size: int) -> dict:
+def _merge(out: Path, identity: dict, corpus: Corpus, shard_size: int, known: dict[str, str]) -> dict:
     """Every shard exactly once, with the rows and the checksums it was written with: then manifest.json."""
     n_shards = -(-corpus.rows // shard_size)
-    entries: dict[int, dict] = {}
+    listed: dict[int, list[dict]] = {}
     for name, manifest in _read_manifests(out):
         if _differences(manifest.get("identity"), identity):
             raise DataError(f"{out / name}: written by another run while this one ran; pass --overwrite")
         for entry in manifest.get("shards", []):
-            index = int(entry["index"])
-            if index in entries and entries[index] != entry:
-                raise DataError(f"{out}: shard {index} is listed twice with different contents ({name} and another "
-                                "manifest); pass --overwrite to start again")
-            entries[index] = entry
-    missing = [s for s in range(n_shards) if s not in entries]
+            candidates = listed.setdefault(int(entry["index"]), [])
+            if entry not in candidates:
+                candidates.append(entry)
+    missing = [s for s in range(n_shards) if s not in listed]
     if missing:
         raise DataError(f"{out}: {len(missing)} of {n_shards} shards are missing (first: {missing[:8]}). With several "
                         "processes on several hosts, --output-dir must be on a filesystem they share; run the same "
                         "command again to finish")
-    extra = sorted(set(entries) - set(range(n_shards)))
+    extra = sorted(set(listed) - set(range(n_shards)))
     if extra:
         raise DataError(f"{out}: shards {extra[:8]} are beyond the corpus's {n_shards} shards")
+    entries: dict[int, dict] = {}
     for s in range(n_shards):
-        entry = entries[s]
+        entry, problem = _usable_entry(out, listed[s], known)
+        if entry is None:
+            raise DataError(f"{problem}; run the same command again to recompute that shard")
         expected = [s * shard_size, min((s + 1) * shard_size, corpus.rows)]
         if entry["rows"] != expected:
             raise DataError(f"{out}: shard {s} covers rows {entry['rows']}, expected {expected}")
-        for key, digest_key in (("embeddings", "sha256"), ("ids", "ids_sha256")):
-            digest = _file_sha256(out / entry[key]) if key in entry else entry.get(digest_key)
-            if digest != entry.get(digest_key):
-                problem = "is missing" if digest is None else "has changed since it was written (checksum differs)"
-                raise DataError(f"{out / entry[key]} {problem}; pass --overwrite to recompute the embeddings")
+        entries[s] = entry
     first = entries[0]
     manifest = {
         "format": MANIFEST_FORMAT, "version": VERSION, "identity": identity, "corpus_path": str(corpus.path),
@@ -718,8 +748,16 @@ def embed_corpus(model, corpus, output_dir, *, text_field: str = "text", id_fiel
     process, processes = jax.process_index(), jax.process_count()
     done = _prepare_directory(out, identity, process, processes, overwrite)
     n_shards = -(-corpus.rows // shard_size)
-    mine = {s: e for s, e in done.items() if s % processes == process}
-    todo = [s for s in range(n_shards) if s % processes == process and s not in done]
+    known: dict[str, str] = {}  # file name -> sha256 computed in this run (checked at the start, or written)
+    mine = {}
+    for s in sorted(done):
+        if s % processes == process:
+            entry, problem = _usable_entry(out, done[s], known)
+            if entry is None:  # damaged or removed since it was written: computed again, not trusted
+                warnings.warn(f"{problem}: recomputing shard {s}", UserWarning, stacklevel=2)
+            else:
+                mine[s] = entry
+    todo = [s for s in range(n_shards) if s % processes == process and s not in mine]
     devices = list(devices) if devices is not None else jax.local_devices()
     record = functools.partial(_write_process_manifest, out, identity, process, processes, mine, rows=corpus.rows,
                                n_shards=n_shards, devices=devices)
@@ -736,6 +774,7 @@ def embed_corpus(model, corpus, output_dir, *, text_field: str = "text", id_fiel
     def finish(shard: _Shard):
         _check_finite(shard, corpus)
         entry = _write_shard(out, shard, post(shard.out))
+        known.update(_shard_files(entry))
         stats["shards_written"] += 1
         if kill_after and stats["shards_written"] == kill_after:
             os.kill(os.getpid(), signal.SIGKILL)  # tests: the files are written, the manifest does not list them yet
@@ -793,7 +832,7 @@ def embed_corpus(model, corpus, output_dir, *, text_field: str = "text", id_fiel
         if now != corpus.sha256:
             raise DataError(f"{corpus.path} changed while it was being embedded (sha256 differs): pass --overwrite "
                             "to start again")
-        manifest = _merge(out, identity, corpus, shard_size)
+        manifest = _merge(out, identity, corpus, shard_size, known)
         stats["manifest"] = str(out / MANIFEST)
         stats["shard_count"] = manifest["shard_count"]
     stats.update(process_index=process, process_count=processes, devices=len(devices), corpus_rows=corpus.rows)

@@ -202,11 +202,26 @@ def test_bad_input_and_another_runs_directory_are_refused(work, capsys):
             embed_corpus(work["model"], corpus, ref, **{**options, **kwargs})
         assert message in str(info.value)
     assert {p.name: p.read_bytes() for p in ref.iterdir()} == before  # untouched
-    damaged = path / "damaged"  # a finished directory whose files changed: the merge and the reader refuse it
+    damaged = path / "damaged"  # a finished directory whose files changed: the reader refuses it, a rerun mends it
     shutil.copytree(ref, damaged)
     (damaged / "shard-00002.npy").unlink()
-    with pytest.raises(DataError, match="shard-00002.npy is missing; pass --overwrite"):
+    saved = (damaged / "shard-00001.ids.json").read_bytes()
+    (damaged / "shard-00001.ids.json").write_text('["doc-16"]')
+    with pytest.raises(DataError, match="shard-00001.ids.json: checksum differs from the manifest's"):
+        load_corpus_embeddings(damaged)
+    with pytest.warns(UserWarning) as caught:  # was refused: "pass --overwrite" recomputed every shard
         embed_corpus(work["model"], work["corpus"], damaged, **options)
+    assert sorted(str(w.message).split(str(damaged) + "/")[1] for w in caught) == [
+        "shard-00001.ids.json has changed since it was written (checksum differs): recomputing shard 1",
+        "shard-00002.npy is missing: recomputing shard 2"]
+    assert {p.name: p.read_bytes() for p in damaged.iterdir()} == before  # the uninterrupted run's bytes
+    assert (damaged / "shard-00001.ids.json").read_bytes() == saved
+    stale = json.loads((damaged / "manifest.json").read_text())  # an entry a mended shard no longer matches
+    stale["shards"][0]["sha256"] = "0" * 64
+    (damaged / "manifest.json").write_text(json.dumps(stale))
+    embed_corpus(work["model"], work["corpus"], damaged, **options)  # was "shard 0 is listed twice"
+    assert {p.name: p.read_bytes() for p in damaged.iterdir()} == before
+    (damaged / "shard-00002.npy").unlink()
     (damaged / "shard-00001.ids.json").write_text('["doc-16"]')
     with pytest.raises(DataError, match="shard-00001.ids.json: checksum differs from the manifest's"):
         load_corpus_embeddings(damaged)
