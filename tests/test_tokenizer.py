@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from jaxembed.checkpoint import _umask
 from jaxembed.cli import main
 from jaxembed.embedder import load_tokenizer
 
@@ -45,20 +46,38 @@ def test_cli_refuses_an_existing_directory_a_small_vocabulary_and_a_missing_file
     out = tmp_path / "bpe"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert main(["tokenizer", str(train), str(out), "--vocab-size", "300"]) == 2
-    assert "exists; pass --overwrite" in capsys.readouterr().err
+    for extra in ([], ["--overwrite"]):  # --overwrite used to delete keep.txt with the directory
+        assert main(["tokenizer", str(train), str(out), "--vocab-size", "300", *extra]) == 2
+        assert "bpe: holds files a tokenizer does not write (keep.txt); refusing to replace it" in \
+            capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "mine"
+    for extra in ([], ["--overwrite"]):  # the training file itself, named as OUT_DIR: it was moved aside
+        assert main(["tokenizer", str(train), str(train), "--vocab-size", "300", *extra]) == 2
+        assert "train.jsonl: exists and is not a directory" in capsys.readouterr().err
+    assert train.is_file()
     assert main(["tokenizer", str(train), str(tmp_path / "b2"), "--vocab-size", "100"]) == 2
     assert "--vocab-size must be >= 258" in capsys.readouterr().err
     assert main(["tokenizer", str(train), str(tmp_path / "no" / "b2"), "--vocab-size", "300"]) == 2
     assert "directory" in capsys.readouterr().err
     assert main(["tokenizer", str(tmp_path / "nope.jsonl"), str(tmp_path / "b3"), "--vocab-size", "300"]) == 2
     assert "nope.jsonl: no such file" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"  # was a bytes-only tokenizer and exit 0
+    empty.write_text(json.dumps({"query": "", "positive": "", "negatives": []}) + "\n")
+    assert main(["tokenizer", str(empty), str(tmp_path / "b4"), "--vocab-size", "300"]) == 2
+    assert "empty.jsonl: no text to learn merges from" in capsys.readouterr().err
 
+    (out / "keep.txt").unlink()
+    assert main(["tokenizer", str(train), str(out), "--vocab-size", "300"]) == 0  # an empty directory
+    assert main(["tokenizer", str(train), str(out), "--vocab-size", "300"]) == 2
+    assert "bpe: a tokenizer is already there; pass --overwrite" in capsys.readouterr().err
     assert main(["tokenizer", str(train), str(out), "--vocab-size", "300", "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
     assert len(load_tokenizer(str(out))) == 300
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe", "train.jsonl"]
+    assert out.stat().st_mode & 0o055 == 0o055 & ~_umask()  # readable by others as umask allows (was 0700)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe", "empty.jsonl", "train.jsonl"]
+    capsys.readouterr()
+    assert main(["tokenizer", str(train), str(tmp_path / "b5"), "--vocab-size", "100000"]) == 0
+    assert "the texts ran out of merges at" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("line, message", [('{"query": 3, "positive": "x", "negatives": []}', "query"),

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -51,33 +52,42 @@ def training_texts(paths: Sequence[Path]) -> list[str]:
 
 
 def write_tokenizer(tokenizer, out_dir: Path, *, overwrite: bool = False) -> None:
-    """save_pretrained into a temporary sibling, then renamed to `out_dir`: a reader sees no half-written tokenizer."""
+    """save_pretrained into a temporary sibling, then swapped into `out_dir`: a reader sees no half-written
+    tokenizer. An existing `out_dir` is replaced only with `overwrite` and only if it holds tokenizer files alone."""
+    from jaxembed import checkpoint
+
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, overwrite=overwrite)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
+        os.chmod(tmp, 0o777 & ~checkpoint._umask())  # mkdtemp's 0700 would hide the tokenizer from other users
         tokenizer.save_pretrained(tmp)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            try:
-                os.replace(tmp, out_dir)
-            except OSError:
-                os.replace(old, out_dir)  # the old tokenizer stays where it was
-                raise
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out_dir)
+        checkpoint._fsync_tree(tmp)
+        checkpoint._swap_into_place(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
 
 
 def _check_out_dir(out_dir: Path, *, overwrite: bool) -> None:
-    if out_dir.exists() and not overwrite:
-        raise DataError(f"{out_dir} exists; pass --overwrite to replace it")
+    """Refuse, before training, an OUT_DIR that must not be replaced: a file, or a directory with anything in it
+    besides tokenizer files (the swap replaces the whole directory)."""
+    from jaxembed.checkpoint import TOKENIZER_FILES
+
     if not out_dir.parent.is_dir():
         raise DataError(f"{out_dir}: directory {out_dir.parent} does not exist")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"{out_dir}: exists and is not a directory; name a new or empty directory")
+    if not out_dir.exists() or not any(out_dir.iterdir()):
+        return
+    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir()
+                     if not (p.is_file() and p.name in TOKENIZER_FILES))
+    if foreign:
+        shown = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+        raise DataError(f"{out_dir}: holds files a tokenizer does not write ({shown}); refusing to replace it "
+                        "(choose a new or empty directory)")
+    if not overwrite:
+        raise DataError(f"{out_dir}: a tokenizer is already there; pass --overwrite to replace it")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -97,7 +107,13 @@ def cmd_tokenizer(args) -> int:
         raise DataError(f"--vocab-size must be >= {MIN_VOCAB} (256 bytes + <eos>, <pad>), got {args.vocab_size}")
     _check_out_dir(args.out_dir, overwrite=args.overwrite)  # before the work, not after it
     texts = training_texts(args.train)
+    if not any(texts):
+        raise DataError(f"{', '.join(map(str, args.train))}: no text to learn merges from (no records, or only empty "
+                        "queries and positives)")
     tokenizer = train_bpe(texts, args.vocab_size)
+    if len(tokenizer) < args.vocab_size:
+        print(f"jaxembed tokenizer: the texts ran out of merges at {len(tokenizer)} tokens (--vocab-size "
+              f"{args.vocab_size}); the model's vocab_size can be {len(tokenizer)}", file=sys.stderr)
     write_tokenizer(tokenizer, args.out_dir, overwrite=args.overwrite)
     print(json.dumps({"texts": len(texts), "vocab_size": len(tokenizer), "out_dir": str(args.out_dir)}))
     return 0
