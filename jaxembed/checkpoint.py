@@ -25,6 +25,7 @@ TOKENIZER_FILES = (
 
 
 EMBEDDER_SETTINGS = ("query_template", "default_instruction")  # the manifest's `embedder` section
+EMBEDDER_SETTINGS_FILE = "jaxembed_embedder.json"  # those settings beside an export's weights, for `convert`
 CHECKSUM = "xxh3_128"  # per tensor, over its bytes in C order: fast enough to verify on every load
 
 

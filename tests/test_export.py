@@ -9,6 +9,7 @@ converter's reference) to the original model's hidden states."""
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -69,6 +70,9 @@ def last_hidden(model, seqs):
         return [base(input_ids=torch.tensor([s])).last_hidden_state[0, -1].double().numpy() for s in seqs]
 
 
+SETTINGS = {"query_template": "Instruct: {prompt}\nQuery: ", "default_instruction": "Given a question, find code"}
+
+
 @pytest.fixture(scope="module")
 def mamba2(tmp_path_factory, tokenizer):
     """A random Mamba2ForCausalLM with a tokenizer, converted, and exported through the CLI."""
@@ -77,7 +81,7 @@ def mamba2(tmp_path_factory, tokenizer):
     model.config.eos_token_id, model.config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     model.save_pretrained(root / "src")
     tokenizer.save_pretrained(root / "src")
-    convert(root / "src", root / "jx", progress=False)
+    convert(root / "src", root / "jx", progress=False, **SETTINGS)
     assert main(["export", str(root / "jx"), str(root / "hf"), "--format", "hf"]) == 0
     return root, model
 
@@ -100,6 +104,25 @@ def test_mamba2_export_loads_in_transformers(mamba2):
     ids = AutoTokenizer.from_pretrained(dst)(TEXTS)["input_ids"]
     assert ids == AutoTokenizer.from_pretrained(root / "src")(TEXTS)["input_ids"]
     assert ours.tokenize(TEXTS) == [x + [ours.eos_token_id] for x in ids]
+
+
+def test_export_carries_the_query_settings_back_to_convert(mamba2, tmp_path):
+    """The query template and default instruction go out beside the weights and come back through `convert`
+    (they were dropped: queries embedded after the round trip had no instruction); options given win."""
+    root, _ = mamba2
+    assert json.loads((root / "hf" / checkpoint.EMBEDDER_SETTINGS_FILE).read_text()) == SETTINGS
+    back = jaxembed.load(convert(root / "hf", tmp_path / "back", progress=False))
+    ours = jaxembed.load(root / "jx")
+    assert checkpoint.load(tmp_path / "back")[2] == SETTINGS
+    np.testing.assert_array_equal(back.encode_query(["sort a list"]), ours.encode_query(["sort a list"]))
+    other = convert(root / "hf", tmp_path / "other", progress=False, default_instruction="Find the function")
+    assert checkpoint.load(other)[2] == {**SETTINGS, "default_instruction": "Find the function"}
+    (tmp_path / "bad").mkdir()
+    for name in os.listdir(root / "hf"):
+        shutil.copy(root / "hf" / name, tmp_path / "bad" / name)
+    (tmp_path / "bad" / checkpoint.EMBEDDER_SETTINGS_FILE).write_text('{"query_templat": "Q: {prompt}"}')
+    with pytest.raises(ConversionError, match="jaxembed_embedder.json: expected a mapping of"):
+        convert(tmp_path / "bad", tmp_path / "bad_out", progress=False)
 
 
 def test_bfloat16_export_keeps_the_decays_float32(mamba2, tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 import re
 import shutil
@@ -58,7 +59,7 @@ def export(model, dst, *, format: str = "hf", dtype: str | None = None, overwrit
         raise ConversionError(f"{model}: {what}; `jaxembed export` reads what `jaxembed convert` or the trainer's "
                               "export wrote")
     dst = _check_destination(Path(dst).expanduser(), src, overwrite)
-    config, params, _settings, _ = checkpoint.load(src)
+    config, params, settings, _ = checkpoint.load(src)
     layouts = importlib.import_module(models.registration(config.architecture).conversion)
     if not hasattr(layouts, "export_layout"):
         raise ConversionError(f"{src}: no {format} export for {config.architecture} models yet")
@@ -75,6 +76,9 @@ def export(model, dst, *, format: str = "hf", dtype: str | None = None, overwrit
         os.chmod(tmp, 0o777 & ~checkpoint._umask())  # mkdtemp's 0700 would hide the model from other users
         _write_tensors(tmp, tensors, params, max_shard_bytes)
         layout.write_config(tmp)
+        if settings:  # the query template and default instruction: `jaxembed convert` of the export reads them back
+            text = json.dumps({k: settings[k] for k in checkpoint.EMBEDDER_SETTINGS if k in settings}, indent=1)
+            (tmp / checkpoint.EMBEDDER_SETTINGS_FILE).write_text(text + "\n", encoding="utf-8")
         if not checkpoint.copy_tokenizer(src, tmp):
             warnings.warn(f"{src} has no tokenizer files; the export has none either", stacklevel=2)
         checkpoint._fsync_tree(tmp)
@@ -112,7 +116,7 @@ def _check_destination(dst: Path, src: Path, overwrite: bool) -> Path:
 def _export_file(path: Path) -> bool:
     """A file `export` writes (weights, index, config, tokenizer), so replacing it loses nothing."""
     return path.is_file() and (path.name in ("config.json", "model.safetensors", "model.safetensors.index.json",
-                                             *checkpoint.TOKENIZER_FILES)
+                                             checkpoint.EMBEDDER_SETTINGS_FILE, *checkpoint.TOKENIZER_FILES)
                                or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", path.name) is not None)
 
 
