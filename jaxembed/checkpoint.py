@@ -118,7 +118,13 @@ def save(directory, config, params, *, embedder: dict | None = None, source: str
     try:
         if not in_place:
             os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the model from other users
-        checkpointer = ocp.StandardCheckpointer()
+        # one process writes a model directory (a trainer's export happens on process 0 alone): orbax's barriers
+        # must wait for this process only, or under jax.distributed they wait for processes that never come
+        import jax
+
+        me = jax.process_index()
+        checkpointer = ocp.StandardCheckpointer(multiprocessing_options=ocp.options.MultiprocessingOptions(
+            primary_host=me, active_processes={me}))
         checkpointer.save(tmp / "params", params)
         checkpointer.wait_until_finished()
         if tokenizer is not None:

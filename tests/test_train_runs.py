@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import suite_xla_flags
+from conftest import rel_err, suite_xla_flags
 
+import jaxembed
 from jaxembed.train.corpus import build_stdlib_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +79,8 @@ def result(proc) -> dict:
 def reference(workdir):
     """The loss trajectory of one process on one device."""
     config = write_config(workdir, "reference")
-    losses = result(worker(workdir, config, "single"))["single"]
+    losses = result(worker(workdir, config, "single", extra=("--export", str(workdir / "reference" / "export"))))[
+        "single"]
     assert len(losses) == STEPS and all(np.isfinite(losses))
     return config, np.array(losses)
 
@@ -102,13 +104,35 @@ def test_two_processes_agree_with_one(workdir, reference):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
+    export = workdir / "two_processes" / "export"
     procs = [worker(workdir, config, "2x1", extra=("--coordinator", f"localhost:{port}", "--num-processes", "2",
-                                                   "--process-id", str(i))) for i in range(2)]
+                                                   "--process-id", str(i), "--export", str(export))) for i in range(2)]
     outputs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
     got = json.loads(outputs[0][0].strip().splitlines()[-1])["2x1"]
     assert rel(got, ref) < 1e-5, (got, ref.tolist())
+    # process 0 exports alone (it waited at orbax's barrier for process 1, which had returned: a deadlock)
+    texts = ["Return the sum of a list.", "def total(xs): return sum(xs)"]
+    two, one = (jaxembed.load(d).encode(texts) for d in (export, workdir / "reference" / "export"))
+    assert rel_err(two, one) < 1e-5, rel_err(two, one)
+
+
+def test_processes_given_different_runs_are_refused(workdir, reference):
+    """Two processes whose configs differ (here the learning rate; the checkpoint paths differ too, which is
+    allowed) both stop with an error naming the section, before the first step: each would have trained its own
+    replica at its own rate (exit 0 and a mixed checkpoint)."""
+    config, _ = reference
+    other = write_config(workdir, "other_rate", train={"learning_rate": 3e-3})
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    procs = [worker(workdir, c, "2x1", extra=("--coordinator", f"localhost:{port}", "--num-processes", "2",
+                                              "--process-id", str(i))) for i, c in enumerate((config, other))]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode != 0
+        assert "process(es) [1] differ from process 0 in train;" in err, err[-2000:]
 
 
 def test_sigkill_and_resume_reproduce_the_trajectory(workdir, reference):

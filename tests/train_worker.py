@@ -2,7 +2,7 @@
 fixed when jax starts, so these cannot run inside the pytest process).
 
     python tests/train_worker.py CONFIG --steps N --mesh 4x2 --mesh single [--coordinator HOST:PORT
-        --num-processes P --process-id I]
+        --num-processes P --process-id I] [--export DIR]
 
 Prints one JSON object on the last line of stdout: {mesh: [loss of step 1, ..., loss of step N]}.
 """
@@ -23,6 +23,7 @@ def main(argv=None) -> int:
     parser.add_argument("--coordinator")
     parser.add_argument("--num-processes", type=int)
     parser.add_argument("--process-id", type=int)
+    parser.add_argument("--export", help="then export the last mesh's merged model here")
     args = parser.parse_args(argv)
 
     import jax
@@ -45,6 +46,8 @@ def main(argv=None) -> int:
             data, fsdp = (int(v) for v in mesh.split("x"))
             trainer = Trainer(dataclasses.replace(cfg, mesh=MeshSection(data, fsdp)), show_progress=False)
         losses[mesh] = [trainer.train_step(step)["loss"] for step in range(args.steps)]
+    if args.export:
+        trainer.export(args.export)
     if jax.process_index() == 0:
         print(json.dumps(losses))
     return 0

@@ -11,7 +11,9 @@ progress bar; every process takes part in checkpoints (orbax) and in the export'
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import hashlib
 import inspect
 import json
 import math
@@ -249,6 +251,7 @@ class Trainer:
         self.total_steps = t.epochs * self.steps_per_epoch
         if t.max_steps is not None:
             self.total_steps = min(self.total_steps, t.max_steps)
+        _check_processes_agree(cfg, base=self.base_identity, data=self.data_fingerprint)
         self._plans = {}
         known = set(self.sources) | {row["source"] for row in self.heldout or []}
         unknown = sorted(set(cfg.data.instructions) - known)
@@ -766,6 +769,40 @@ class Trainer:
         return checkpoint.save(directory, self.config, params, embedder={"query_template": self.query_template},
                                source=f"jaxembed train ({self.cfg.model.path or self.cfg.model.init})",
                                tokenizer=self.tokenizer, overwrite=True)
+
+
+# paths, whose files the identities compare instead (the model's, the data's tokens), or that only name where
+# output goes
+_PATHS_COMPARED_BY_CONTENT = (
+    ("model", "path"), ("model", "init"), ("model", "tokenizer"), ("data", "train"), ("data", "heldout"),
+    ("data", "token_cache"), ("checkpoint", "directory"), ("output", None), ("log", None), ("tensorboard", None))
+
+
+def _check_processes_agree(cfg: TrainConfig, **identities: str) -> None:
+    """Under jax.distributed every process must train the same run: a process with another learning rate, batch
+    or data would update its own replica differently and the checkpoint would hold a mix. Each section of the
+    config (all but `distributed`) and each identity is hashed; the sections whose hashes differ are named."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    sections = dataclasses.asdict(cfg)
+    for section, key in _PATHS_COMPARED_BY_CONTENT:  # hosts may mount shared storage under other names
+        if isinstance(sections.get(section), dict):
+            sections[section][key] = None
+        elif key is None:
+            sections[section] = None
+    parts = {name: json.dumps(value, sort_keys=True, default=str) for name, value in sections.items()
+             if name != "distributed"}
+    parts.update({f"{name} (its content)": value for name, value in identities.items()})
+    digests = np.array([int.from_bytes(hashlib.sha256(v.encode()).digest()[:4], "little") for v in parts.values()],
+                       np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(digests))  # [processes, sections]
+    differ = [name for name, column in zip(parts, every.T, strict=True) if len(set(column.tolist())) > 1]
+    if differ:
+        others = [i for i in range(len(every)) if not np.array_equal(every[i], every[0])]
+        raise ConfigError(f"the processes were given different runs: process(es) {others} differ from process 0 in "
+                          f"{', '.join(differ)}; every process must have the same config apart from `distributed`")
 
 
 def _check_written_paths(cfg: TrainConfig) -> None:
