@@ -88,6 +88,14 @@ def work(tmp_path_factory, hf_model_dir, tokenizer):
             cmd + args(model_dir, corpus, path / "distributed", "--coordinator", f"localhost:{port}",
                        "--num-processes", "2", "--process-id", str(i)),
             cwd=path, env=env(devices=8), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    for i in range(2):  # process 1 given another option
+        procs[f"mismatched{i}"] = subprocess.Popen(
+            cmd + args(model_dir, corpus, path / "mismatched", "--coordinator", f"localhost:{port}",
+                       "--num-processes", "2", "--process-id", str(i), *(["--no-normalize"] if i else [])),
+            cwd=path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     model = jaxembed.load(model_dir)
     stats = embed_corpus(model, corpus, path / "reference", id_field="id", shard_size=SHARD, batch_size=BATCH,
                          show_progress_bar=False)
@@ -269,3 +277,13 @@ def test_two_processes_on_8_devices_each(work):
     assert len(ids) == len(set(ids)) == ROWS and set(ids) == {f"doc-{i}" for i in range(ROWS)}
     ref, ref_ids = load_corpus_embeddings(path / "reference")
     assert ids == ref_ids and np.abs(emb - ref).max() < 1e-6
+
+
+def test_processes_given_different_options_all_stop_naming_them(work):
+    """Process 1 with --no-normalize: it exited 0 after writing unnormalised shards, and process 0 failed at the
+    merge with "written by another run". Now both stop before embedding, naming the option."""
+    for i in range(2):
+        r = finish(work["procs"][f"mismatched{i}"])
+        assert r.returncode == 2, r.stderr[-3000:]
+        assert "process(es) [1] differ from process 0 in options.normalize;" in r.stderr, r.stderr[-3000:]
+    assert not list((work["path"] / "mismatched").glob("shard-*"))
