@@ -749,6 +749,10 @@ def embed_corpus(model, corpus, output_dir, *, text_field: str = "text", id_fiel
     if processes > 1:
         _check_processes_agree(identity)
     done = _prepare_directory(out, identity, process, processes, overwrite)
+    if processes > 1:  # each reads every manifest before any rewrites its own (run earlier with other process counts,
+        from jax.experimental import multihost_utils  # a manifest lists shards that other processes now own)
+
+        multihost_utils.sync_global_devices("jaxembed embed --corpus: every process has read the manifests")
     n_shards = -(-corpus.rows // shard_size)
     known: dict[str, str] = {}  # file name -> sha256 computed in this run (checked at the start, or written)
     mine = {}
