@@ -18,6 +18,11 @@ def test_embed_file_to_npy_and_stdin_to_jsonl(hf_model_dir, tmp_path, capsys, mo
     assert "tokens/s" in capsys.readouterr().err
     expected = jaxembed.load(path).encode(texts)
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), expected, rtol=1e-5, atol=1e-6)
+    assert main(["embed", str(src), "--model", str(path), "-o", str(tmp_path / "out.jsonl"), "--quiet"]) == 0
+    written = [json.loads(line)["embedding"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    # the .npy's float32 values exactly (they were rounded to 7 decimals: up to 4e-4 off for small components)
+    np.testing.assert_array_equal(np.array(written, np.float64).astype(np.float32), np.load(tmp_path / "out.npy"))
+    assert np.array_equal(np.array(written, np.float64), np.load(tmp_path / "out.npy").astype(np.float64))
 
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(texts) + "\n"))
     assert main(["embed", "--model", str(path), "--query", "--instruction", "Find it", "--quiet"]) == 0
