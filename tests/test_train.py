@@ -561,6 +561,9 @@ def test_resume_refuses_another_base_schedule_or_a_damaged_checkpoint(tmp_path):
     with pytest.warns(UserWarning, match="eval.k=10 is at least the 5 held-out documents: recall@10 is 1"):
         first = trainer()
     assert len(first.heldout) == 5 and "held-out: read 5 rows, kept 5" in first.data_summary()
+    # not "(negatives_per_query is 0)": the config's is 1, and held-out negatives are never used
+    assert "5 rows had negatives, unused (held-out queries are ranked among the held-out positives)" in \
+        first.data_summary()
     # the model FLOPs of a step: 4N with the base frozen (no weight gradients), 6N in full training
     assert first.flops_per_token == 4 * first.matmul_params
     full = dataclasses.replace(load_train_config(tmp_path / "c.yaml"), lora=None)

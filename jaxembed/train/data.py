@@ -56,7 +56,7 @@ class DataReport:
     negatives_per_query: int = 1
     kept_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def summary(self) -> str:
+    def summary(self, unused_because: str = "negatives_per_query is 0") -> str:
         def by_source(counts: dict[str, int]) -> str:
             return ", ".join(f"{name} {n}" for name, n in sorted(counts.items()))
 
@@ -71,7 +71,7 @@ class DataReport:
             parts.append(f"dropped {few} with fewer than {k} negatives ({by_source(self.dropped_few_negatives)})")
         if self.unused_negatives:
             parts.append(f"{self.unused_negatives} rows had more than {k} negatives (the first {k} used)" if k else
-                         f"{self.unused_negatives} rows had negatives, unused (negatives_per_query is 0)")
+                         f"{self.unused_negatives} rows had negatives, unused ({unused_because})")
         return "; ".join(parts)
 
 

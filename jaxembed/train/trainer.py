@@ -708,7 +708,9 @@ class Trainer:
             parts.append(f"{left} kept rows left out of every epoch (each source's last partial batch: "
                          + ", ".join(f"{name} {n}" for name, n in self.leftover.items() if n) + ")")
         if self.heldout_report is not None:
-            parts.append(f"held-out: {self.heldout_report.summary()}"
+            heldout = self.heldout_report.summary(unused_because="held-out queries are ranked among the held-out "
+                                                  "positives")
+            parts.append(f"held-out: {heldout}"
                          + (f", the first {len(self.heldout_queries)} queries evaluated against all "
                             f"{len(self.heldout)} (eval.max_queries)"
                             if len(self.heldout_queries) < len(self.heldout) else ""))
