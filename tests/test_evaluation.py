@@ -228,7 +228,9 @@ def test_two_models_evaluated_into_one_folder_report_their_own_scores(stdlib_row
     def evaluate(model, output):
         assert main(["eval", "--model", str(model), "--local-tasks", str(rows), "--output", str(output),
                      "--max-length", "64", "--quiet", "--skip-data-check"]) == 0
-        (summary,) = re.findall(r"^summary: (.*)\.md$", capsys.readouterr().err, re.M)  # under its revision
+        err = capsys.readouterr().err
+        assert "it/s]" not in err and "examples/s]" not in err, err  # --quiet: mteb's and datasets' bars too
+        (summary,) = re.findall(r"^summary: (.*)\.md$", err, re.M)  # under its revision
         assert Path(summary).parent.parent == output / "summary" / "jaxembed__model"
         summaries.append(json.loads(Path(summary + ".json").read_text()))
         return {task: v["main_score"] for task, v in summaries[-1]["scores"].items()}

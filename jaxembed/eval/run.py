@@ -8,11 +8,14 @@ paper's summary table (mean over tasks, mean over task types) beside the publish
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import math
 import re
 import sys
+import warnings
 from pathlib import Path
 
 from jaxembed.errors import DataError, MissingDataError
@@ -212,6 +215,29 @@ def evaluation_identity(model, args, max_length, data) -> str:
     return "fp-" + xxhash.xxh3_64_hexdigest(json.dumps(what, sort_keys=True).encode())
 
 
+@contextlib.contextmanager
+def _quiet(quiet: bool):
+    """--quiet: also none of the progress bars mteb's evaluators and `datasets` draw whatever show_progress_bar
+    says, and no scikit-learn metric warnings (metrics mteb reports beside the main score, ill-defined on small
+    tasks). tqdm's own recipe for a global off switch: `disable=True` as the default of every bar, for this call."""
+    if not quiet:
+        yield
+        return
+    from sklearn.exceptions import UndefinedMetricWarning
+    from tqdm import std
+
+    from jaxembed.train.data import quiet_datasets
+
+    init = std.tqdm.__init__
+    std.tqdm.__init__ = functools.partialmethod(init, disable=True)
+    try:
+        with quiet_datasets(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UndefinedMetricWarning)
+            yield
+    finally:
+        std.tqdm.__init__ = init
+
+
 def cmd_eval(args) -> int:
     import mteb
 
@@ -233,8 +259,9 @@ def cmd_eval(args) -> int:
     encoder.check_prefixes(tasks)
     output = Path(args.output)
     check_cached_results(output / "results" / name.replace("/", "__") / revision, tasks)
-    result = mteb.evaluate(encoder, tasks, cache=mteb.ResultCache(output), overwrite_strategy=args.overwrite,
-                           show_progress_bar=not args.quiet)
+    with _quiet(args.quiet):
+        result = mteb.evaluate(encoder, tasks, cache=mteb.ResultCache(output), overwrite_strategy=args.overwrite,
+                               show_progress_bar=not args.quiet)
     scores = task_scores(result, tasks)
     calls, unrecorded = task_calls(scores, encoder, output / "encode_calls" / name.replace("/", "__") / revision)
     summary = output / "summary" / name.replace("/", "__") / revision / run_label(benchmark, tasks, args.local_tasks)
