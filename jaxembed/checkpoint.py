@@ -118,13 +118,8 @@ def save(directory, config, params, *, embedder: dict | None = None, source: str
     try:
         if not in_place:
             os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the model from other users
-        # one process writes a model directory (a trainer's export happens on process 0 alone): orbax's barriers
-        # must wait for this process only, or under jax.distributed they wait for processes that never come
-        import jax
-
-        me = jax.process_index()
-        checkpointer = ocp.StandardCheckpointer(multiprocessing_options=ocp.options.MultiprocessingOptions(
-            primary_host=me, active_processes={me}))
+        # a trainer's export is written by process 0 alone
+        checkpointer = ocp.StandardCheckpointer(multiprocessing_options=_this_process_only())
         checkpointer.save(tmp / "params", params)
         checkpointer.wait_until_finished()
         if tokenizer is not None:
@@ -151,6 +146,26 @@ def save(directory, config, params, *, embedder: dict | None = None, source: str
         if not in_place and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return directory
+
+
+def _this_process_only():
+    """orbax options for a model directory that one process writes or reads on its own: its barriers wait for this
+    process only (under jax.distributed they would wait for processes that never come)."""
+    import jax
+
+    me = jax.process_index()
+    return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+
+
+def _restore_on_host(path: Path) -> dict:
+    """The params as numpy arrays, read whole by this process: the saved shardings are one process's, which
+    orbax refuses to map onto another topology (every process of a jax.distributed run reads the model)."""
+    import jax
+    import numpy as np
+
+    checkpointer = ocp.StandardCheckpointer(multiprocessing_options=_this_process_only())
+    target = jax.tree.map(lambda meta: np.empty(meta.shape, meta.dtype), checkpointer.metadata(path).item_metadata)
+    return checkpointer.restore(path, target)
 
 
 def _umask() -> int:
@@ -274,7 +289,7 @@ def load(directory, *, verify: bool = True):
     if verify and checksums.get("files"):
         _verify_files(directory, checksums["files"], params_only=not covers_all)
     try:
-        params = ocp.StandardCheckpointer().restore(directory / "params")
+        params = _restore_on_host(directory / "params")
     except Exception as err:  # orbax/TensorStore errors carry a long spec: keep its first sentence
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConversionError(f"{directory / 'params'}: the checkpoint is damaged or incomplete, it could not be "
