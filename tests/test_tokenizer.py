@@ -75,6 +75,10 @@ def test_cli_refuses_an_existing_directory_a_small_vocabulary_and_a_missing_file
     assert len(load_tokenizer(str(out))) == 300
     assert out.stat().st_mode & 0o055 == 0o055 & ~_umask()  # readable by others as umask allows (was 0700)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe", "empty.jsonl", "train.jsonl"]
+    (tmp_path / "link").symlink_to(out)  # the target is replaced (the link became a directory, exit 2)
+    assert main(["tokenizer", str(train), str(tmp_path / "link"), "--vocab-size", "290", "--overwrite"]) == 0
+    assert (tmp_path / "link").is_symlink() and len(load_tokenizer(str(out))) == 290
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe", "empty.jsonl", "link", "train.jsonl"]
     capsys.readouterr()
     assert main(["tokenizer", str(train), str(tmp_path / "b5"), "--vocab-size", "100000"]) == 0
     assert "the texts ran out of merges at" in capsys.readouterr().err

@@ -56,7 +56,7 @@ def write_tokenizer(tokenizer, out_dir: Path, *, overwrite: bool = False) -> Non
     tokenizer. An existing `out_dir` is replaced only with `overwrite` and only if it holds tokenizer files alone."""
     from jaxembed import checkpoint
 
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).expanduser().resolve()  # a symlink's target is what gets replaced, not the link
     _check_out_dir(out_dir, overwrite=overwrite)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -74,6 +74,7 @@ def _check_out_dir(out_dir: Path, *, overwrite: bool) -> None:
     besides tokenizer files (the swap replaces the whole directory)."""
     from jaxembed.checkpoint import TOKENIZER_FILES
 
+    out_dir = Path(out_dir).expanduser().resolve()
     if not out_dir.parent.is_dir():
         raise DataError(f"{out_dir}: directory {out_dir.parent} does not exist")
     if out_dir.exists() and not out_dir.is_dir():
