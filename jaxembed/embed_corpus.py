@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxembed.distributed import check_processes_agree
 from jaxembed.errors import DataError, check_positive_int
 from jaxembed.files import write_atomically, write_text_atomically
 from jaxembed.text import check_token_ids, lone_surrogate, make_batches, tokenize_texts, tokenizer_identity
@@ -746,8 +747,9 @@ def embed_corpus(model, corpus, output_dir, *, text_field: str = "text", id_fiel
                             shard_size=shard_size, precision=precision, truncate_dim=truncate_dim, ranges=ranges)
     out = Path(output_dir)
     process, processes = jax.process_index(), jax.process_count()
-    if processes > 1:
-        _check_processes_agree(identity)
+    if processes > 1:  # a process with other options would write shards unlike the others' (found at the merge)
+        check_processes_agree(_leaves(identity), error=DataError,
+                              advice="give every process the same model, corpus and options")
     done = _prepare_directory(out, identity, process, processes, overwrite)
     if processes > 1:  # each reads every manifest before any rewrites its own (run earlier with other process counts,
         from jax.experimental import multihost_utils  # a manifest lists shards that other processes now own)
@@ -849,24 +851,6 @@ def _leaves(tree, prefix="") -> dict[str, str]:
     if isinstance(tree, dict):
         return {k: v for key in sorted(tree, key=str) for k, v in _leaves(tree[key], f"{prefix}{key}.").items()}
     return {prefix[:-1]: json.dumps(tree, sort_keys=True)}
-
-
-def _check_processes_agree(identity: dict) -> None:
-    """Every process of a run must embed with the same model, corpus and options: a process with other options
-    would write shards that differ from the others' (found only at the merge, after all the work). Each identity
-    field is hashed; the fields whose hashes differ between processes are named, on every process."""
-    from jax.experimental import multihost_utils
-
-    leaves = _leaves(identity)
-    digests = np.array([int.from_bytes(hashlib.sha256(v.encode()).digest()[:4], "little") for v in leaves.values()],
-                       np.uint32)
-    every = np.asarray(multihost_utils.process_allgather(digests))  # [processes, fields]
-    differ = [name for name, column in zip(leaves, every.T, strict=True) if len(set(column.tolist())) > 1]
-    if differ:
-        others = [i for i in range(len(every)) if not np.array_equal(every[i], every[0])]
-        raise DataError(f"the processes were given different runs: process(es) {others} differ from process 0 in "
-                        f"{', '.join(differ[:6])}{', ...' if len(differ) > 6 else ''}; give every process the same "
-                        "model, corpus and options")
 
 
 def _check_ranges_given(precision, ranges) -> None:

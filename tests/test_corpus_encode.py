@@ -314,3 +314,17 @@ def test_processes_given_different_options_all_stop_naming_them(work):
         assert r.returncode == 2, r.stderr[-3000:]
         assert "process(es) [1] differ from process 0 in options.normalize;" in r.stderr, r.stderr[-3000:]
     assert not list((work["path"] / "mismatched").glob("shard-*"))
+
+
+def test_processes_with_uneven_device_counts_are_named(monkeypatch):
+    """2 and 1 local devices: process_allgather failed with "cannot reshape array of size 3 into shape (2,2)"
+    (and, before the identity check, the final barrier after all the work). Counted here as jax reports them."""
+    import jax
+
+    from jaxembed.distributed import check_processes_agree
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "local_device_count", lambda: 2)
+    monkeypatch.setattr(jax, "device_count", lambda: 3)
+    with pytest.raises(DataError, match=r"different numbers of local devices \(2 here, 3 in all over 2 processes\)"):
+        check_processes_agree({"options.normalize": "true"}, error=DataError, advice="")

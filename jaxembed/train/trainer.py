@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
 import inspect
 import json
 import math
@@ -34,6 +33,7 @@ from tqdm import tqdm
 
 from jaxembed import checkpoint, models
 from jaxembed.config import ConfigError, load_config
+from jaxembed.distributed import check_processes_agree
 from jaxembed.embedder import Embedder, bucket_length, load_tokenizer
 from jaxembed.errors import CheckpointError, TrainingDivergedError
 from jaxembed.text import text_ids
@@ -783,11 +783,9 @@ _PATHS_COMPARED_BY_CONTENT = (
 def _check_processes_agree(cfg: TrainConfig, **identities: str) -> None:
     """Under jax.distributed every process must train the same run: a process with another learning rate, batch
     or data would update its own replica differently and the checkpoint would hold a mix. Each section of the
-    config (all but `distributed`) and each identity is hashed; the sections whose hashes differ are named."""
+    config (all but `distributed`, paths aside) and each identity is compared; the differing ones are named."""
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
-
     sections = dataclasses.asdict(cfg)
     for section, key in _PATHS_COMPARED_BY_CONTENT:  # hosts may mount shared storage under other names
         if isinstance(sections.get(section), dict):
@@ -797,14 +795,8 @@ def _check_processes_agree(cfg: TrainConfig, **identities: str) -> None:
     parts = {name: json.dumps(value, sort_keys=True, default=str) for name, value in sections.items()
              if name != "distributed"}
     parts.update({f"{name} (its content)": value for name, value in identities.items()})
-    digests = np.array([int.from_bytes(hashlib.sha256(v.encode()).digest()[:4], "little") for v in parts.values()],
-                       np.uint32)
-    every = np.asarray(multihost_utils.process_allgather(digests))  # [processes, sections]
-    differ = [name for name, column in zip(parts, every.T, strict=True) if len(set(column.tolist())) > 1]
-    if differ:
-        others = [i for i in range(len(every)) if not np.array_equal(every[i], every[0])]
-        raise ConfigError(f"the processes were given different runs: process(es) {others} differ from process 0 in "
-                          f"{', '.join(differ)}; every process must have the same config apart from `distributed`")
+    check_processes_agree(parts, error=ConfigError,
+                          advice="every process must have the same config apart from `distributed`")
 
 
 def _check_written_paths(cfg: TrainConfig) -> None:
