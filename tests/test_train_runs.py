@@ -120,19 +120,27 @@ def test_two_processes_agree_with_one(workdir, reference):
 
 def test_processes_given_different_runs_are_refused(workdir, reference):
     """Two processes whose configs differ (here the learning rate; the checkpoint paths differ too, which is
-    allowed) both stop with an error naming the section, before the first step: each would have trained its own
-    replica at its own rate (exit 0 and a mixed checkpoint)."""
+    allowed when they name one shared directory) both stop with an error naming the section, before the first
+    step: each would have trained its own replica at its own rate (exit 0 and a mixed checkpoint). Two whose
+    checkpoint directories are not the same directory stop too (orbax's first save hung)."""
     config, _ = reference
-    other = write_config(workdir, "other_rate", train={"learning_rate": 3e-3})
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    procs = [worker(workdir, c, "2x1", extra=("--coordinator", f"localhost:{port}", "--num-processes", "2",
-                                              "--process-id", str(i))) for i, c in enumerate((config, other))]
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode != 0
-        assert "process(es) [1] differ from process 0 in train;" in err, err[-2000:]
+    pairs = {"train;": (config, write_config(workdir, "other_rate", train={"learning_rate": 3e-3})),
+             "cannot see what process 0 writes": (config, write_config(workdir, "own_directory"))}
+    procs = {}
+    for message, configs in pairs.items():
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            port = s.getsockname()[1]
+        procs[message] = [worker(workdir, c, "2x1", extra=("--coordinator", f"localhost:{port}", "--num-processes",
+                                                           "2", "--process-id", str(i)))
+                          for i, c in enumerate(configs)]
+    for message, pair in procs.items():
+        for p in pair:
+            _, err = p.communicate(timeout=600)
+            assert p.returncode != 0
+            assert f"process(es) [1] {'differ from process 0 in ' if message == 'train;' else ''}{message}" in err, \
+                err[-2000:]
+    assert not list((workdir / "reference" / "checkpoints").glob(".jaxembed-shared-*"))  # the marker is removed
 
 
 def test_sigkill_and_resume_reproduce_the_trajectory(workdir, reference):

@@ -285,6 +285,7 @@ class Trainer:
         self.length_plans = cap_length_plans([self._raw_length_plan(step) for step in range(self.total_steps)])
         self.step_config = self._step_config(self.grad_cache_size)
         self._step_fns = {}  # length plan -> the step compiled for it
+        _check_shared_directory(Path(cfg.checkpoint.directory).expanduser().absolute())
         self.manager = ocp.CheckpointManager(
             Path(cfg.checkpoint.directory).expanduser().absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint.keep,
@@ -797,6 +798,30 @@ def _check_processes_agree(cfg: TrainConfig, **identities: str) -> None:
     parts.update({f"{name} (its content)": value for name, value in identities.items()})
     check_processes_agree(parts, error=ConfigError,
                           advice="every process must have the same config apart from `distributed`")
+
+
+def _check_shared_directory(directory: Path) -> None:
+    """Under jax.distributed, every process must see the checkpoint directory process 0 writes (orbax's saves wait
+    for files the primary process creates, and hung when a process had a directory of its own): process 0 writes
+    a marker with a fresh token, and each process looks for it."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    token = int(multihost_utils.broadcast_one_to_all(np.frombuffer(os.urandom(4), np.uint32)[0]))
+    marker = directory / f".jaxembed-shared-{token:08x}"
+    if jax.process_index() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    multihost_utils.sync_global_devices("jaxembed train: the checkpoint directory's marker is written")
+    sees = np.asarray(multihost_utils.process_allgather(np.array([marker.exists()], np.int32)))[:, 0]
+    multihost_utils.sync_global_devices("jaxembed train: every process has looked for the marker")
+    if jax.process_index() == 0:
+        marker.unlink(missing_ok=True)
+    blind = [i for i, seen in enumerate(sees.tolist()) if not seen]
+    if blind:
+        raise ConfigError(f"checkpoint.directory: process(es) {blind} cannot see what process 0 writes in "
+                          f"{directory}: it must be on storage that every process shares (the same directory)")
 
 
 def _check_written_paths(cfg: TrainConfig) -> None:
