@@ -45,6 +45,8 @@ def apply() -> Path | None:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None  # an unwritable home must not stop embedding; programs are compiled as before
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return None  # a read-only one (an image's, a shared home's): JAX would warn at every compilation
     jax.config.update("jax_compilation_cache_dir", str(directory))
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -71,6 +72,13 @@ def test_compilation_cache_switches(tmp_path, monkeypatch):
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "ours")
         # JAX's own 1 s threshold would skip most embedding programs on a CPU: jaxembed lowers it
         assert jax.config.jax_persistent_cache_min_compile_time_secs == compile_cache.MIN_COMPILE_SECONDS
+        jax.config.update("jax_compilation_cache_dir", None)
+        # an existing read-only directory (a read-only mount: root may write through a mode): off, not a JAX
+        # warning at every compilation
+        (tmp_path / "read-only").mkdir()
+        monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "read-only"))
+        monkeypatch.setattr(compile_cache.os, "access", lambda path, mode: Path(path) != tmp_path / "read-only")
+        assert compile_cache.apply() is None and jax.config.jax_compilation_cache_dir is None
     finally:
         jax.config.update("jax_compilation_cache_dir", None)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
