@@ -811,14 +811,19 @@ def _check_shared_directory(directory: Path) -> None:
     token = int(multihost_utils.broadcast_one_to_all(np.frombuffer(os.urandom(4), np.uint32)[0]))
     marker = directory / f".jaxembed-shared-{token:08x}"
     if jax.process_index() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        marker.touch()
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        except OSError:  # said on every process below: an error here alone would leave the others at the barrier
+            pass
     multihost_utils.sync_global_devices("jaxembed train: the checkpoint directory's marker is written")
     sees = np.asarray(multihost_utils.process_allgather(np.array([marker.exists()], np.int32)))[:, 0]
     multihost_utils.sync_global_devices("jaxembed train: every process has looked for the marker")
     if jax.process_index() == 0:
         marker.unlink(missing_ok=True)
     blind = [i for i, seen in enumerate(sees.tolist()) if not seen]
+    if 0 in blind:
+        raise ConfigError(f"checkpoint.directory: process 0 cannot write in {directory}")
     if blind:
         raise ConfigError(f"checkpoint.directory: process(es) {blind} cannot see what process 0 writes in "
                           f"{directory}: it must be on storage that every process shares (the same directory)")
