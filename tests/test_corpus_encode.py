@@ -280,30 +280,6 @@ def test_two_processes_on_8_devices_each(work):
     ref, ref_ids = load_corpus_embeddings(path / "reference")
     assert ids == ref_ids and np.abs(emb - ref).max() < 1e-6
 
-    # that run, as if process 1 had been killed before shard 1, resumed by 3 processes: shard 1 alone is computed
-    # (a process rewrote its manifest before another had read it, and the other recomputed its shards)
-    regrouped = path / "regrouped"
-    shutil.copytree(out, regrouped)
-    for name in ("manifest.json", "shard-00001.npy", "shard-00001.ids.json"):
-        (regrouped / name).unlink()
-    listed = json.loads((regrouped / "process-00001.json").read_text())
-    listed.update(complete=False, shards=[s for s in listed["shards"] if s["index"] != 1])
-    (regrouped / "process-00001.json").write_text(json.dumps(listed))
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxembed.cli", *args(
-        work["model_dir"], work["corpus"], regrouped, "--coordinator", f"localhost:{port}", "--num-processes", "3",
-        "--process-id", str(i))], cwd=path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(3)]
-    results = [finish(p) for p in procs]
-    assert [r.returncode for r in results] == [0, 0, 0], [r.stderr[-2000:] for r in results]
-    said = [r.stderr for r in results]
-    assert "no shard left to embed" in said[0] and "no shard left to embed" in said[2], said
-    assert f"embedded {SHARD} texts (1 shards)" in said[1], said[1]
-    emb, ids = load_corpus_embeddings(regrouped)
-    assert ids == ref_ids and np.abs(emb - ref).max() < 1e-6
-
 
 def test_processes_given_different_options_all_stop_naming_them(work):
     """Process 1 with --no-normalize: it exited 0 after writing unnormalised shards, and process 0 failed at the
