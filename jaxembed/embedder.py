@@ -85,6 +85,13 @@ class Embedder:
         self.chunk_size = int(chunk_size)
         if self.chunk_size != config.chunk_size:  # the family's own limits (RWKV7: at most wkv7.MAX_CHUNK), now
             dataclasses.replace(config, chunk_size=self.chunk_size)
+        # Embedders never read the LM head (vocab x d: 0.25-0.5 GiB at 7B), so it stays off the device. The
+        # identity still covers it, as a converted checkpoint's recorded fingerprint does.
+        self._host_only = {}
+        if isinstance(params, dict) and "lm_head" in params:
+            if fingerprint is None:
+                self._host_only["lm_head"] = models.cast_host_param(self.family, "lm_head", params["lm_head"], dtype)
+            params = {name: leaf for name, leaf in params.items() if name != "lm_head"}
         self.params = models.cast_params(self.family, params, dtype)
         self.tokenizer = tokenizer
         self.query_template = check_query_template(query_template)
@@ -103,7 +110,9 @@ class Embedder:
         if self._fingerprint is None:
             from jaxembed import checkpoint
 
-            self._fingerprint = checkpoint.fingerprint(self.config, checkpoint.tensor_checksums(self.params))
+            tensors = checkpoint.tensor_checksums({**self.params, **self._host_only})
+            self._fingerprint = checkpoint.fingerprint(self.config, tensors)
+            self._host_only = {}
         return self._fingerprint
 
     @property

@@ -167,8 +167,8 @@ def test_gpu_points_are_limited_by_the_device_not_a_fixed_host_cap(monkeypatch):
 
 
 def test_device_params_have_the_family_shapes_and_keep_decays_float32():
-    """The benchmark weights are drawn on the device: the family's shapes, the asked dtype, decay
-    parameters float32, one drawn layer repeated over the stack."""
+    """The benchmark weights are drawn on the device: the family's shapes less the LM head, the asked
+    dtype, decay parameters float32, one drawn layer repeated over the stack."""
     import dataclasses
 
     import jax
@@ -178,9 +178,10 @@ def test_device_params_have_the_family_shapes_and_keep_decays_float32():
     from jaxembed.bench.worker import device_params
     from jaxembed.config import config_from_dict
 
-    cfg = dataclasses.replace(config_from_dict(TINY_MODELS["mamba2"]), n_layers=3)
+    cfg = dataclasses.replace(config_from_dict(TINY_MODELS["mamba2"]), n_layers=3, tie_embeddings=False)
     params = device_params(cfg, "bfloat16", seed=0, device=jax.devices()[0])
     shapes = models.family(cfg).param_shapes(cfg)
+    assert shapes.pop("lm_head")  # untied, but an embedder never reads it: not on the device
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
     assert {jax.tree_util.keystr(k): v.shape for k, v in flat} == {
         jax.tree_util.keystr(k): tuple(v) for k, v in jax.tree_util.tree_flatten_with_path(

@@ -320,6 +320,23 @@ def test_evaluation_results_are_keyed_by_the_model(saved, tmp_path, tokenizer):
     assert Embedder(params, cfg).fingerprint == ident  # computed from the params when not recorded
 
 
+def test_the_lm_head_stays_off_the_device_but_in_the_identity():
+    """An embedder never reads the LM head, so it is not on the device; the computed fingerprint still
+    covers it, cast as the params are (float16 runs as float32, bfloat16 rounds to nearest even)."""
+    import jax.numpy as jnp
+
+    from jaxembed.embedder import Embedder
+
+    cfg = config_from_dict(TINY_CONFIGS["rwkv7"])  # RWKV7 always has an untied head
+    family = models.family(cfg)
+    params = family.init_params(cfg, jax.random.key(3))
+    half = jax.tree.map(lambda x: x.astype(jnp.float16), params)
+    for given, dtype in ((params, None), (params, "bfloat16"), (half, None)):
+        expected = checkpoint.fingerprint(cfg, checkpoint.tensor_checksums(models.cast_params(family, given, dtype)))
+        emb = Embedder(given, cfg, dtype=dtype)
+        assert "lm_head" not in emb.params and emb.fingerprint == expected, dtype
+
+
 def test_load_refuses_what_it_cannot_use(tmp_path):
     import jaxembed
 

@@ -49,7 +49,9 @@ def device_params(cfg, dtype: str, seed: int, device):
                 leaf = jnp.broadcast_to(leaf, (cfg.n_layers, *leaf.shape[1:]))
             return leaf
 
-        return jax.tree_util.tree_map_with_path(place, family.init_params(one_layer, key))
+        params = family.init_params(one_layer, key)
+        params.pop("lm_head", None)  # as in `Embedder`: an embedder never reads it, so it is not on the device
+        return jax.tree_util.tree_map_with_path(place, params)
 
     key = jax.device_put(jax.random.key(seed), device)
     treedef = jax.tree.structure(jax.eval_shape(build, key))

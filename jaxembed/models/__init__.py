@@ -126,11 +126,22 @@ def cast_params(module: ModuleType, params, dtype=None):
 
     def cast(path, leaf):
         arr = jnp.asarray(leaf)
-        if dtype is None and arr.dtype == jnp.float16:
-            return arr.astype(jnp.float32)
-        return arr.astype(param_dtype(module, str(getattr(path[-1], "key", "")), arr.dtype, dtype))
+        return arr.astype(_cast_dtype(module, str(getattr(path[-1], "key", "")), arr.dtype, dtype))
 
     return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def cast_host_param(module: ModuleType, name: str, leaf, dtype=None) -> np.ndarray:
+    """One top-level param cast as `cast_params` casts it, in host memory (numpy; ml_dtypes' bfloat16
+    rounds to nearest even, as XLA does)."""
+    arr = np.asarray(leaf)
+    return arr.astype(_cast_dtype(module, name, arr.dtype, None if dtype is None else jnp.dtype(dtype)))
+
+
+def _cast_dtype(module: ModuleType, name: str, source_dtype, dtype) -> np.dtype:
+    if dtype is None and source_dtype == jnp.float16:
+        return np.dtype(np.float32)
+    return param_dtype(module, name, source_dtype, dtype)
 
 
 def hidden(cfg, stream):
