@@ -826,6 +826,52 @@ def test_a_diverging_run_stops_before_saving_the_step(tmp_path):
     assert all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(resumed.state.adapters))
 
 
+def test_an_evaluation_lost_to_an_interrupt_is_computed_on_resume(tmp_path, monkeypatch):
+    """Ctrl-C (or a kill) during the held-out evaluation of step 2, after step 2's checkpoint: the resumed
+    run starts at step 2 and evaluates it then (it went on to step 3, and step 2's figures were never
+    logged). A finished run run again evaluates nothing more, and a log row torn by a kill is dropped."""
+    import yaml
+
+    from jaxembed.train.config import load_train_config
+    from jaxembed.train.trainer import Trainer
+
+    rows = [{"query": f"query {i:02d} " * 3, "positive": f"the text of document {i:02d} " * 4} for i in range(16)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[5:]))
+    (tmp_path / "h.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:5]))
+    raw = {"model": {"init": str(ROOT / "configs/models/tiny-train-mamba2.yaml"), "tokenizer": "stdlib-bpe:258"},
+           "data": {"train": str(tmp_path / "d.jsonl"), "heldout": str(tmp_path / "h.jsonl"), "max_tokens": 32,
+                    "negatives_per_query": 0},
+           "lora": {"rank": 4}, "train": {"batch_size": 4, "max_steps": 4, "epochs": 10}, "eval": {"every": 2, "k": 3},
+           "checkpoint": {"directory": str(tmp_path / "ck"), "every": 1}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    cfg = load_train_config(tmp_path / "c.yaml")
+    evaluate, calls = Trainer.evaluate, []
+
+    def interrupted_at_the_second(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return evaluate(self)
+
+    monkeypatch.setattr(Trainer, "evaluate", interrupted_at_the_second)
+    trainer = Trainer(cfg, show_progress=False)  # one object run again: it restores as a new process would
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+
+    def logged():
+        rows = [json.loads(line) for line in cfg.log_path.read_text().splitlines()]
+        return [(r["step"], "eval/mrr@3" in r) for r in rows if "step" in r]
+
+    assert logged() == [(0, True), (1, False), (2, False)]
+    trainer.run()
+    assert logged() == [(0, True), (1, False), (2, False), (2, True), (3, False), (4, False), (4, True)]
+    with open(cfg.log_path, "a") as f:
+        f.write('{"step": 5, "lo')
+    trainer.run()
+    assert logged()[-2:] == [(4, False), (4, True)]
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs/train").glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_training_configs_load(path):
     from jaxembed.train.config import load_train_config

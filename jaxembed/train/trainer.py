@@ -36,6 +36,7 @@ from jaxembed.config import ConfigError, load_config
 from jaxembed.distributed import check_processes_agree
 from jaxembed.embedder import Embedder, bucket_length, load_tokenizer
 from jaxembed.errors import CheckpointError, TrainingDivergedError
+from jaxembed.files import write_text_atomically
 from jaxembed.text import text_ids
 from jaxembed.train import data as data_lib
 from jaxembed.train import lora as lora_lib
@@ -620,6 +621,24 @@ class Trainer:
                  "source": batch.source, "truncated_total": truncated}
                 for (step, batch, _, truncated), m in zip(pending, values, strict=True)]
 
+    def _evaluates_at(self, step: int) -> bool:
+        """Held-out metrics are computed every eval.every steps and after the last."""
+        every = self.cfg.eval.every
+        return bool(every and step % every == 0) or step == self.total_steps
+
+    def _evaluation_lost(self, log, start: int) -> bool:
+        """Whether a run stopped (killed, Ctrl-C) after step `start`'s checkpoint but before its evaluation
+        was logged, the final one above all: then it is computed now. Process 0 reads the log; every
+        process takes its answer, since the evaluation runs on all of them."""
+        if not self._evaluates_at(start):
+            return False
+        lost = log is not None and start not in log.evaluated_steps
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            lost = bool(multihost_utils.broadcast_one_to_all(np.int32(lost)))
+        return lost
+
     def run(self) -> list[dict]:
         """Train to the end (resuming from the latest checkpoint); returns this call's log rows."""
         log = board = pool = None
@@ -640,9 +659,8 @@ class Trainer:
 
             if log and start == 0:
                 record({"event": "data", **self.report_dict()})
-            every = self.cfg.eval.every
-            if self.heldout and start == 0:
-                record({"step": 0, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
+            if self.heldout and (start == 0 or self._evaluation_lost(log, start)):
+                record({"step": start, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
             kill_after = int(os.environ.get(KILL_AFTER_STEP_ENV, "0") or 0)
             bar = tqdm(total=self.total_steps, initial=start, desc="training", unit="step",
                        disable=not self.show_progress)
@@ -679,7 +697,7 @@ class Trainer:
                 bar.update(1)
                 last = step + 1 == self.total_steps
                 saving = self.manager.should_save(step + 1) or last
-                evaluating = self.heldout and ((every and (step + 1) % every == 0) or last)
+                evaluating = self.heldout and self._evaluates_at(step + 1)
                 if len(pending) >= self.cfg.train.log_every or saving or evaluating or step + 1 == kill_after:
                     flush()
                 self.save(step + 1, force=last)
@@ -949,12 +967,22 @@ class _Log:
     def __init__(self, path: Path, keep_through: int):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
         if keep_through and path.exists():
-            kept = [line for line in path.read_text().splitlines() if line.strip()
-                    and json.loads(line).get("step", 0) <= keep_through]
-            path.write_text("".join(line + "\n" for line in kept))
-        elif not keep_through:
-            path.write_text("")
+            lines = [line for line in path.read_text().splitlines() if line.strip()]
+            for number, line in enumerate(lines, 1):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    if number == len(lines):  # a row torn by a kill in the middle of its write
+                        break
+                    raise ValueError(f"{path}:{number}: not a JSON row; move the file away to start its log "
+                                     "afresh") from None
+                if row.get("step", 0) <= keep_through:
+                    kept.append(row)
+        # steps whose held-out evaluation is logged (a resumed run computes a lost one again)
+        self.evaluated_steps = {row["step"] for row in kept if any(k.startswith("eval/") for k in row)}
+        write_text_atomically(path, "".join(json.dumps(row, allow_nan=False) + "\n" for row in kept))
 
     def write(self, row: dict) -> None:
         # strict JSON: a diverged step's NaN / inf metrics are written as null
