@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import jaxpr_equations, rel_err
 
-from jaxembed import models, schedule
+from jaxembed import checkpoint, models, schedule
 from jaxembed.config import Mamba2Config
 from jaxembed.errors import ConfigError
 from jaxembed.models.transformer import TransformerConfig
@@ -580,11 +580,21 @@ def test_resume_refuses_another_base_schedule_or_a_damaged_checkpoint(tmp_path):
         ({"train": {"max_steps": 3}}, r"total steps \(epochs / max_steps\)=4, this run has 3"),
         ({"train": {"learning_rate": 1e-3}}, r"train.learning_rate=0.0004, this run has 0.001"),
         ({"lora": {"rank": 4, "alpha": 8.0}}, r"lora.alpha=16.0, this run has 8.0"),
+        ({"eval": {"k": 3}}, r"another held-out evaluation \(data.heldout's rows, eval.max_queries or eval.k\)"),
     ]:
         with pytest.raises(ConfigError, match=f"checkpoint 2 was written with {message}.*use the config it was "
                                               "written with, or a new checkpoint directory"):
             trainer(**changes).restore()
     assert trainer().restore() == 2
+    # `output` is replaced only if it is this run's own export (it replaced any jaxembed model silently)
+    own = first.export(tmp_path / "own")
+    assert trainer(output=str(own)).restore() == 2
+    other = checkpoint.save(tmp_path / "converted", first.config, first.stored_params, source="jaxembed convert (x)")
+    with pytest.raises(ConfigError, match=r"output: .*converted holds another model \(written by jaxembed convert "
+                                          r"\(x\)\), not this run's export"):
+        trainer(output=str(other))
+    with pytest.raises(ConfigError, match=r"the export directory: .*converted holds another model"):
+        first.export(other)
     # one value of the latest checkpoint changed under its files (orbax's chunks carry no checksum: a flipped
     # byte restored silently): named by the digests recorded at save
     import orbax.checkpoint as ocp

@@ -177,6 +177,12 @@ class Trainer:
         if out is not None and cfg.model.path and out.resolve() == Path(cfg.model.path).expanduser().resolve():
             raise ConfigError(f"output: {out} is model.path; the export would replace the base model that this run's "
                               "checkpoints are adapters of (choose another directory)")
+        # the export names its run by the checkpoint directory: an existing model is replaced only if it is this
+        # run's own earlier export
+        self.export_run = f"(checkpoints: {Path(cfg.checkpoint.directory).expanduser().resolve()})"
+        self.export_source = f"jaxembed train of {cfg.model.path or cfg.model.init} {self.export_run}"
+        if out is not None and jax.process_index() == 0:
+            self._check_export_destination(out, "output")
         _check_written_paths(cfg)
         if t.batch_size % self.shards:
             raise ConfigError(f"train.batch_size={t.batch_size} is not a multiple of the {self.shards} batch shards "
@@ -224,6 +230,7 @@ class Trainer:
             warnings.warn(f"eval.k={cfg.eval.k} is at least the {documents} held-out documents: recall@{cfg.eval.k} "
                           "is 1 whatever the model", UserWarning, stacklevel=2)
         self._check_room_for_queries()
+        self.heldout_identity = self._heldout_identity()
         # every text tokenized once, up front (cached by content); the loop only gathers ids
         self.tokens = pipeline.tokenize_sources(
             self.sources, tokenizer=self.tokenizer, eos=self.eos, max_tokens=cfg.data.max_tokens,
@@ -252,7 +259,8 @@ class Trainer:
         self.total_steps = t.epochs * self.steps_per_epoch
         if t.max_steps is not None:
             self.total_steps = min(self.total_steps, t.max_steps)
-        _check_processes_agree(cfg, base=self.base_identity, data=self.data_fingerprint)
+        _check_processes_agree(cfg, base=self.base_identity, data=self.data_fingerprint,
+                               heldout=str(self.heldout_identity))
         self._plans = {}
         known = set(self.sources) | {row["source"] for row in self.heldout or []}
         unknown = sorted(set(cfg.data.instructions) - known)
@@ -408,6 +416,17 @@ class Trainer:
                         "tokens, so the cut would leave every query the same text; raise data.max_tokens or shorten "
                         "the instruction")
 
+    def _heldout_identity(self) -> str | None:
+        """What the held-out figures are computed on (the query texts as embedded, their positives, the
+        documents ranked, k): a resumed run on another held-out set would log figures of two sets as one."""
+        if not self.heldout:
+            return None
+        import xxhash
+
+        what = {"queries": [[self.query_text(r, r["source"]), r["positive"]] for r in self.heldout_queries],
+                "documents": sorted({r["positive"] for r in self.heldout}), "k": self.cfg.eval.k}
+        return xxhash.xxh3_128_hexdigest(json.dumps(what, sort_keys=True).encode())
+
     def query_text(self, row, source: str) -> str:
         instruction = row.get("instruction") or self.cfg.data.instructions.get(source, "")
         return (self.query_template.format(prompt=instruction) if instruction else "") + row["query"]
@@ -438,6 +457,7 @@ class Trainer:
         return {"step": step, "epoch": step // self.steps_per_epoch, "batch_in_epoch": step % self.steps_per_epoch,
                 "seed": t.seed, "batch_size": t.batch_size, "sizes": self.sizes,
                 "data": self.data_fingerprint, "truncated": self.truncated, "base": self.base_identity,
+                "heldout": self.heldout_identity,
                 "schedule": {"total_steps": self.total_steps, "learning_rate": t.learning_rate,
                              "warmup_steps": t.warmup_steps, "weight_decay": t.weight_decay,
                              "temperature": t.temperature, "lora_alpha": None if self.cfg.lora is None
@@ -494,8 +514,8 @@ class Trainer:
         """The checkpoint's data position and settings are this run's, or a ConfigError names each difference."""
         expected = self._data_position(step)
         differences = []
-        for key in ("seed", "batch_size", "sizes", "data", "base"):
-            if key in ("base",) and key not in position:
+        for key in ("seed", "batch_size", "sizes", "data", "base", "heldout"):
+            if key in ("base", "heldout") and key not in position:
                 continue  # written before this was recorded
             if key == "data" and position.get(key) == self.legacy_data_fingerprint:
                 continue  # the same data, recorded under the earlier key scheme
@@ -504,7 +524,9 @@ class Trainer:
                     "data": "other training data or tokenization (texts, tokenizer, max_tokens, template, "
                             "instructions)",
                     "base": "another base model (model.path / init / seed / init_options, model.dtype or "
-                            "quantization)"}.get(key, f"{key}={position.get(key)}, this run has {expected[key]}"))
+                            "quantization)",
+                    "heldout": "another held-out evaluation (data.heldout's rows, eval.max_queries or eval.k)",
+                }.get(key, f"{key}={position.get(key)}, this run has {expected[key]}"))
         stored = position.get("schedule") or {}
         differences += [f"train.{key}={stored[key]}, this run has {expected['schedule'][key]}"
                         .replace("train.lora_alpha", "lora.alpha")
@@ -786,10 +808,23 @@ class Trainer:
         params = self.merged_params()
         if jax.process_index() != 0:
             return None
+        self._check_export_destination(Path(directory).expanduser(), "the export directory")
         # the run's own output: replaced (atomically) by each export
         return checkpoint.save(directory, self.config, params, embedder={"query_template": self.query_template},
-                               source=f"jaxembed train ({self.cfg.model.path or self.cfg.model.init})",
-                               tokenizer=self.tokenizer, overwrite=True)
+                               source=self.export_source, tokenizer=self.tokenizer, overwrite=True)
+
+    def _check_export_destination(self, directory: Path, name: str) -> None:
+        """A jaxembed model at `directory` is replaced only if this run (its checkpoint directory) wrote it."""
+        if not checkpoint.is_converted(directory):
+            return
+        try:
+            source = json.loads((directory / checkpoint.MANIFEST).read_text()).get("source")
+        except (OSError, ValueError, AttributeError):
+            source = None
+        if not (isinstance(source, str) and source.endswith(self.export_run)):
+            raise ConfigError(f"{name}: {directory} holds another model (written by {source or 'an unknown source'}), "
+                              "not this run's export; the export would replace it. Choose a new directory, or "
+                              "remove that one")
 
 
 # paths, whose files the identities compare instead (the model's, the data's tokens), or that only name where
