@@ -120,6 +120,16 @@ def test_local_tasks_take_query_positive_rows_and_name_what_is_missing(stdlib_ro
     odd = [{**r, "query": r["query"] + "\u2028 and\u0085 more"} if i < 3 else r for i, r in enumerate(plain)]
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in odd), encoding="utf-8")
     assert len(run.resolve_tasks(None, None, str(path))[0]) == len(tasks)
+    # the trainer's reader: a leading byte-order mark is skipped; a string of negatives (once split into its
+    # characters) is an error naming the line
+    path.write_text("\ufeff" + "".join(json.dumps(r) + "\n" for r in plain), encoding="utf-8")
+    assert len(run.resolve_tasks(None, None, str(path))[0]) == len(tasks)
+    path.write_text("".join(json.dumps({**r, "negatives": "def f(): pass"} if i == 5 else r) + "\n"
+                            for i, r in enumerate(plain)), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"--local-tasks: .*rows.jsonl: line 6: field 'negatives' must be a list"):
+        run.resolve_tasks(None, None, str(path))
+    with pytest.raises(ValueError, match=r"row 6: 'negatives' must be a list of strings, got 'def f\(\): pass'"):
+        stdlib_tasks([{**r, "negatives": "def f(): pass"} if i == 5 else r for i, r in enumerate(plain)])
     broken = plain[:3] + [{"query": "q"}] + plain[4:]
     with pytest.raises(ValueError, match=r"row 4: needs string fields 'query' and 'positive'.*\['positive'\]"):
         stdlib_tasks(broken)
@@ -138,6 +148,12 @@ def test_mteb_offline_end_to_end_on_every_task_type(stdlib_rows, monkeypatch):
     result = mteb.evaluate(encoder, tasks, cache=None, show_progress_bar=False)
     scores = run.task_scores(result, tasks)
     assert sorted(t for t, _ in scores.values()) == sorted(TYPE_ABBREVIATIONS)
+    # a cached result holding other splits and subsets (a wider run's) is scored on the task's own only
+    for tr in result.task_results:
+        own_split = tr.scores["test"][0]
+        tr.scores["validation"] = [{**own_split, "main_score": 0.0}]
+        tr.scores["test"] = tr.scores["test"] + [{**own_split, "hf_subset": "other", "main_score": 0.0}]
+    assert run.task_scores(result, tasks) == scores
     # a random model reaches no task's maximum: nothing is won by construction (Summarization once was)
     assert all(score < 0.95 for _, score in scores.values()), scores
 

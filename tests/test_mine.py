@@ -293,7 +293,11 @@ def test_cli_mines_a_file_and_prints_the_stats(tmp_path, capsys):
     captured = capsys.readouterr()
     stats, err = json.loads(captured.out), captured.err
     assert stats["fewer_than_requested"] == len(PAIRS)  # the short records are named on stderr, not only counted
-    assert f"{len(PAIRS)} record(s) got fewer than 40 negatives (records 1, 2, 3" in err
+    assert f"{len(PAIRS)} record(s) got fewer than 40 negatives (lines 1, 2, 3" in err
+    # named by their lines, blank lines counted (records 2 and 3 are lines 4 and 5 here)
+    src.write_text("\n".join(src.read_text().splitlines()[:1] + ["", ""] + src.read_text().splitlines()[1:]) + "\n")
+    assert run_cli(["mine", str(src), str(out), "--negatives", "40", "--overwrite", "--quiet"]) == 0
+    assert "(lines 1, 4, 5, " in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--method model needs --model PATH"):
         run_cli(["mine", str(src), str(tmp_path / "m.jsonl"), "--negatives", "2", "--method", "model"])
     with pytest.raises(ConfigError, match="--model is used only with --method model"):

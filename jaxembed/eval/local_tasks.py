@@ -89,6 +89,9 @@ def normalise_rows(rows: list[dict]) -> tuple[list[dict], bool]:
         if missing:
             raise ValueError(f"row {i + 1}: needs string fields 'query' and 'positive' (missing or not a string: "
                              f"{missing}); optional: 'negatives', 'module', 'name'")
+        negatives = r.get("negatives")
+        if negatives is not None and not (isinstance(negatives, list) and all(isinstance(n, str) for n in negatives)):
+            raise ValueError(f"row {i + 1}: 'negatives' must be a list of strings, got {negatives!r:.60}")
     has_modules = all(isinstance(r.get("module"), str) for r in rows)
     n = len(rows)
     out = []

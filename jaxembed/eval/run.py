@@ -56,14 +56,13 @@ def resolve_tasks(benchmark: str | None, tasks: str | None, local_tasks: str | N
     path = Path(local_tasks)
     if not path.is_file():
         raise ValueError(f"--local-tasks: {path} is not a file (build one with `jaxembed corpus stdlib DIR`)")
-    rows = []
-    # lines end at "\n" only, as the trainer reads them: str.splitlines would also cut at U+2028, U+0085, ...
-    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"--local-tasks {path}, line {number}: not JSON ({err.msg})") from None
+    from jaxembed.errors import DataError
+    from jaxembed.train.data import read_records
+
+    try:  # the trainer's reader and checks (its data is what this evaluates): errors name the file and line
+        rows = read_records(path)
+    except DataError as err:
+        raise ValueError(f"--local-tasks: {err}") from None
     try:
         return stdlib_tasks(rows), None
     except ValueError as err:
@@ -103,9 +102,13 @@ def check_data(tasks) -> None:
 
 
 def task_scores(result, tasks) -> dict[str, tuple[str, float]]:
-    """mteb's ModelResult -> task name -> (task type, main score)."""
-    types = {t.metadata.name: t.metadata.type for t in tasks}
-    return {tr.task_name: (types[tr.task_name], float(tr.get_score())) for tr in result.task_results}
+    """mteb's ModelResult -> task name -> (task type, main score) over the task's own splits and subsets only: a
+    result mteb reuses from its cache may hold more (MassiveIntentClassification's 51 languages from a multilingual
+    run, read by an English benchmark's), which its plain `get_score` would average in."""
+    by_name = {t.metadata.name: t for t in tasks}
+    return {tr.task_name: (by_name[tr.task_name].metadata.type,
+                           float(tr.validate_and_filter_scores(by_name[tr.task_name]).get_score()))
+            for tr in result.task_results}
 
 
 def task_calls(scores, encoder, records: Path) -> tuple[list[dict], list[str]]:

@@ -236,6 +236,21 @@ def _fast_records(path: Path) -> list[dict[str, Any]] | None:
     return records
 
 
+def read_records(path: Path) -> list[dict]:
+    """A .jsonl / .json triples file's records with every field (`mine` and `eval --local-tasks` keep fields the
+    trainer drops), after the trainer's checks: a DataError naming the file and the first bad line."""
+    path = Path(path)
+    _scan_records(path)
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is not part of the first record
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
+
+
 def _scan_records(path: Path) -> list[dict[str, Any]]:
     """Read and validate record by record with `json` / pyarrow; DataError at the first bad one."""
     suffix = path.suffix.lower()

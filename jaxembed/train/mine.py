@@ -127,15 +127,18 @@ def mine_negatives(records, *, negatives: int, method: str = "bm25", embedder=No
 def mine_file(in_path, out_path, *, overwrite: bool = False, **kwargs) -> dict:
     """Mine negatives for a .jsonl/.json triples file into a .jsonl file (written atomically); the stats.
     kwargs: those of `mine_negatives`. Every field of the input records is kept."""
-    from jaxembed.train.data import _scan_records
+    from jaxembed.train.data import read_records
 
     in_path, out_path = Path(in_path), Path(out_path)
     _check_paths(in_path, out_path, overwrite=overwrite)
-    _scan_records(in_path)  # the trainer's checks: DataError naming the first bad line
-    records = _raw_records(in_path)
+    records = read_records(in_path)
     if not records:
         raise DataError(f"{in_path}: no records to mine (the file is empty)")
     out, stats = mine_negatives(records, **kwargs)
+    text = in_path.read_text(encoding="utf-8-sig")
+    if not (in_path.suffix.lower() == ".json" and text.lstrip().startswith("[")):  # lines, not records, name them
+        lines = [number for number, line in enumerate(text.split("\n"), 1) if line.strip()]
+        stats["fewer_than_requested_lines"] = [lines[i - 1] for i in stats["fewer_than_requested_records"]]
     write_text_atomically(out_path, "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in out))
     return stats
 
@@ -185,11 +188,13 @@ def cmd_mine(args) -> int:
     if stats["fewer_than_requested"]:
         import sys
 
-        shown = ", ".join(map(str, stats["fewer_than_requested_records"]))
-        more = ", ..." if stats["fewer_than_requested"] > len(stats["fewer_than_requested_records"]) else ""
+        kind, numbers = (("lines", stats["fewer_than_requested_lines"]) if "fewer_than_requested_lines" in stats
+                         else ("records", stats["fewer_than_requested_records"]))
+        more = ", ..." if stats["fewer_than_requested"] > len(numbers) else ""
         print(f"jaxembed mine: {stats['fewer_than_requested']} record(s) got fewer than {args.negatives} negatives "
-              f"(records {shown}{more}, counted from 1); training with negatives_per_query={args.negatives} drops "
-              "them: lower --negatives, --skip-top or --margin, or add data", file=sys.stderr)
+              f"({kind} {', '.join(map(str, numbers))}{more}, counted from 1); training with "
+              f"negatives_per_query={args.negatives} drops them: lower --negatives, --skip-top or --margin, or add "
+              "data", file=sys.stderr)
     return 0
 
 
@@ -327,11 +332,3 @@ def _check_paths(in_path: Path, out_path: Path, *, overwrite: bool) -> None:
         raise DataError(f"{out_path} is the input file; pass --overwrite (overwrite=True) to replace it")
     if out_path.exists() and not overwrite:
         raise DataError(f"{out_path} exists; pass --overwrite (overwrite=True) to replace it")
-
-
-def _raw_records(path: Path) -> list[dict]:
-    """The records with every field (`_scan_records` keeps the trainer's only), split as it splits them."""
-    text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is not part of the first record
-    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
-        return json.loads(text)
-    return [json.loads(line) for line in text.split("\n") if line.strip()]
