@@ -87,10 +87,11 @@ class Embedder:
             dataclasses.replace(config, chunk_size=self.chunk_size)
         # Embedders never read the LM head (vocab x d: 0.25-0.5 GiB at 7B), so it stays off the device. The
         # identity still covers it, as a converted checkpoint's recorded fingerprint does.
-        self._host_only = {}
+        self._unused = {}  # what the identity covers beyond self.params, as given (cast only if it is asked for)
+        self._dtype = dtype
         if isinstance(params, dict) and "lm_head" in params:
             if fingerprint is None:
-                self._host_only["lm_head"] = models.cast_host_param(self.family, "lm_head", params["lm_head"], dtype)
+                self._unused["lm_head"] = params["lm_head"]
             params = {name: leaf for name, leaf in params.items() if name != "lm_head"}
         self.params = models.cast_params(self.family, params, dtype)
         self.tokenizer = tokenizer
@@ -110,9 +111,11 @@ class Embedder:
         if self._fingerprint is None:
             from jaxembed import checkpoint
 
-            tensors = checkpoint.tensor_checksums({**self.params, **self._host_only})
-            self._fingerprint = checkpoint.fingerprint(self.config, tensors)
-            self._host_only = {}
+            unused = {name: models.cast_host_param(self.family, name, leaf, self._dtype)
+                      for name, leaf in self._unused.items()}
+            self._fingerprint = checkpoint.fingerprint(self.config, checkpoint.tensor_checksums({**self.params,
+                                                                                               **unused}))
+            self._unused = {}
         return self._fingerprint
 
     @property
