@@ -181,8 +181,14 @@ class Trainer:
         # run's own earlier export
         self.export_run = f"(checkpoints: {Path(cfg.checkpoint.directory).expanduser().resolve()})"
         self.export_source = f"jaxembed train of {cfg.model.path or cfg.model.init} {self.export_run}"
-        if out is not None and jax.process_index() == 0:
-            self._check_export_destination(out, "output")
+        problem = self._export_problem(out, "output") if out is not None and jax.process_index() == 0 else None
+        if jax.process_count() > 1:  # process 0 exports; every process stops with it, none waits at a barrier
+            from jax.experimental import multihost_utils
+
+            if bool(multihost_utils.broadcast_one_to_all(np.int32(problem is not None))) and problem is None:
+                problem = "output: process 0 refuses to export there (its error says why)"
+        if problem:
+            raise ConfigError(problem)
         _check_written_paths(cfg)
         if t.batch_size % self.shards:
             raise ConfigError(f"train.batch_size={t.batch_size} is not a multiple of the {self.shards} batch shards "
@@ -808,23 +814,25 @@ class Trainer:
         params = self.merged_params()
         if jax.process_index() != 0:
             return None
-        self._check_export_destination(Path(directory).expanduser(), "the export directory")
+        problem = self._export_problem(Path(directory).expanduser(), "the export directory")
+        if problem:
+            raise ConfigError(problem)
         # the run's own output: replaced (atomically) by each export
         return checkpoint.save(directory, self.config, params, embedder={"query_template": self.query_template},
                                source=self.export_source, tokenizer=self.tokenizer, overwrite=True)
 
-    def _check_export_destination(self, directory: Path, name: str) -> None:
+    def _export_problem(self, directory: Path, name: str) -> str | None:
         """A jaxembed model at `directory` is replaced only if this run (its checkpoint directory) wrote it."""
         if not checkpoint.is_converted(directory):
-            return
+            return None
         try:
             source = json.loads((directory / checkpoint.MANIFEST).read_text()).get("source")
         except (OSError, ValueError, AttributeError):
             source = None
-        if not (isinstance(source, str) and source.endswith(self.export_run)):
-            raise ConfigError(f"{name}: {directory} holds another model (written by {source or 'an unknown source'}), "
-                              "not this run's export; the export would replace it. Choose a new directory, or "
-                              "remove that one")
+        if isinstance(source, str) and source.endswith(self.export_run):
+            return None
+        return (f"{name}: {directory} holds another model (written by {source or 'an unknown source'}), not this "
+                "run's export; the export would replace it. Choose a new directory, or remove that one")
 
 
 # paths, whose files the identities compare instead (the model's, the data's tokens), or that only name where
