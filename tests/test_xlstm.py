@@ -16,6 +16,7 @@ from transformers.models.xlstm import configuration_xlstm as hf_config
 from transformers.models.xlstm import modeling_xlstm as hf_kernels
 
 import jaxembed
+from jaxembed import checkpoint
 from jaxembed.config import load_config
 from jaxembed.convert import ConversionError, convert, read_checkpoint
 from jaxembed.convert.xlstm import config_from_transformers
@@ -211,7 +212,8 @@ def test_encode_ids_matches_transformers(name, tmp_path):
     if CASES[name].get("causal_lm"):  # the LM head with its logit soft cap, on the last token of the longest
         with torch.no_grad():
             ref_logits = model(input_ids=torch.tensor([seqs[-1]]), use_cache=False).logits[0, -1].double().numpy()
-        logits = xlstm.logits(emb.config, emb.params, out[-1])
+        head = {"lm_head": checkpoint.open_model(tmp_path).params["lm_head"]}  # not on the embedder's device
+        logits = xlstm.logits(emb.config, {**emb.params, **head}, out[-1])
         assert rel_err(logits, ref_logits) < TOL
 
 
