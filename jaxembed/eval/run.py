@@ -57,10 +57,10 @@ def resolve_tasks(benchmark: str | None, tasks: str | None, local_tasks: str | N
     if not path.is_file():
         raise ValueError(f"--local-tasks: {path} is not a file (build one with `jaxembed corpus stdlib DIR`)")
     from jaxembed.errors import DataError
-    from jaxembed.train.data import read_records
+    from jaxembed.train.data import read_raw_records
 
     try:  # the trainer's reader and checks (its data is what this evaluates): errors name the file and line
-        rows = read_records(path)
+        rows = read_raw_records(path)[0]
     except DataError as err:
         raise ValueError(f"--local-tasks: {err}") from None
     try:

@@ -236,19 +236,21 @@ def _fast_records(path: Path) -> list[dict[str, Any]] | None:
     return records
 
 
-def read_records(path: Path) -> list[dict]:
-    """A .jsonl / .json triples file's records with every field (`mine` and `eval --local-tasks` keep fields the
-    trainer drops), after the trainer's checks: a DataError naming the file and the first bad line."""
+def read_raw_records(path: Path) -> tuple[list[dict], list[int] | None]:
+    """(records, the line of each) of a triples file, with every field (`mine` and `eval --local-tasks` keep
+    fields the trainer drops), after the trainer's checks: a DataError naming the file and the first bad line.
+    The lines are None for a JSON array or parquet."""
     path = Path(path)
     _scan_records(path)
     if path.suffix.lower() in PARQUET_SUFFIXES:
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        return pq.read_table(path).to_pylist(), None
     text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is not part of the first record
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
-        return json.loads(text)
-    return [json.loads(line) for line in text.split("\n") if line.strip()]
+        return json.loads(text), None
+    numbered = [(number, line) for number, line in enumerate(text.split("\n"), 1) if line.strip()]
+    return [json.loads(line) for _, line in numbered], [number for number, _ in numbered]
 
 
 def _scan_records(path: Path) -> list[dict[str, Any]]:

@@ -127,17 +127,15 @@ def mine_negatives(records, *, negatives: int, method: str = "bm25", embedder=No
 def mine_file(in_path, out_path, *, overwrite: bool = False, **kwargs) -> dict:
     """Mine negatives for a .jsonl/.json triples file into a .jsonl file (written atomically); the stats.
     kwargs: those of `mine_negatives`. Every field of the input records is kept."""
-    from jaxembed.train.data import read_records
+    from jaxembed.train.data import read_raw_records
 
     in_path, out_path = Path(in_path), Path(out_path)
     _check_paths(in_path, out_path, overwrite=overwrite)
-    records = read_records(in_path)
+    records, lines = read_raw_records(in_path)
     if not records:
         raise DataError(f"{in_path}: no records to mine (the file is empty)")
     out, stats = mine_negatives(records, **kwargs)
-    text = in_path.read_text(encoding="utf-8-sig")
-    if not (in_path.suffix.lower() == ".json" and text.lstrip().startswith("[")):  # lines, not records, name them
-        lines = [number for number, line in enumerate(text.split("\n"), 1) if line.strip()]
+    if lines is not None:  # a .jsonl's short records are named by their lines
         stats["fewer_than_requested_lines"] = [lines[i - 1] for i in stats["fewer_than_requested_records"]]
     write_text_atomically(out_path, "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in out))
     return stats
