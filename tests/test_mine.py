@@ -63,11 +63,13 @@ def reference_bm25(queries, docs):
 
 
 def reference_negatives(records, pool, scores, *, k, skip_top, margin, drop_zero):
-    """The first k candidates of each query's ranking (score desc, pool index asc) that are not a positive of
-    its query (whitespace collapsed), ranked >= skip_top and, when the positive scores > 0, below margin x it."""
+    """The first k candidates of each query's ranking (score desc, pool index asc) that are neither a positive of
+    its query nor the query (whitespace collapsed), ranked >= skip_top and, when the positive scores > 0, below
+    margin x it."""
     out = []
     for i, rec in enumerate(records):
         own = {" ".join(r["positive"].split()) for r in records if r["query"] == rec["query"]}
+        own.add(" ".join(rec["query"].split()))
         row, positive_score = scores[i], scores[i][pool.index(rec["positive"])]
         chosen = []
         for rank, j in enumerate(sorted(range(len(pool)), key=lambda j: (-row[j], j))):
@@ -150,6 +152,20 @@ def test_other_positives_of_the_same_query_are_not_negatives():
         out, stats = mine_negatives(records_of(pairs), negatives=3, margin=None)
         assert second not in out[0]["negatives"] and PAIRS[0][1] not in out[-1]["negatives"], query
         assert stats["skipped_positive"] >= 2
+
+
+def test_symmetric_pairs_never_get_their_own_query_as_a_negative():
+    """Pairs (a, b) and (b, a) put every query in the pool, where BM25 ranks it first against itself (before
+    the fix each of these records got its own query as its first negative)."""
+    pairs = [*PAIRS[:4], *[(p, q.replace(" ", "  ") + " ") for q, p in PAIRS[:4]], *PAIRS[4:]]
+    records = records_of(pairs)
+    pool = [p for _, p in pairs]
+    out, stats = mine_negatives(records, negatives=2, margin=None)
+    assert all(" ".join(n.split()) != " ".join(r["query"].split()) for r in out for n in r["negatives"])
+    assert stats["skipped_query"] >= 8
+    expected = reference_negatives(records, pool, reference_bm25([q for q, _ in pairs], pool), k=2, skip_top=0,
+                                   margin=None, drop_zero=True)
+    assert [r["negatives"] for r in out] == expected
 
 
 def test_a_positive_sharing_no_term_skips_the_margin_and_a_query_without_terms_gets_none():

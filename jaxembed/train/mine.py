@@ -12,13 +12,15 @@ query ranks the pool, best first, ties to the lower pool index (first appearance
   the record's instruction (the model's default instruction when the record has none), documents through
   `encode_document`.
 
-Walking its ranking in order, a query takes the first `negatives` candidates that pass three rules, and each
+Walking its ranking in order, a query takes the first `negatives` candidates that pass four rules, and each
 skipped candidate is counted once, under the first rule it fails:
 
 1. positive: not a positive of a record with this query text, compared after collapsing whitespace and case (the
    record's own positive, its near-duplicates and the query's other positives are all false negatives);
-2. rank window: rank >= `skip_top` (0-based, in the ranking that includes the positive);
-3. margin: score < `margin` x the query's score for its own positive. A positive scoring <= 0 (BM25: no shared
+2. query: not the query's own text, compared the same way (symmetric pairs (a, b) and (b, a) put every query in
+   the pool, where it ranks first against itself);
+3. rank window: rank >= `skip_top` (0-based, in the ranking that includes the positive);
+4. margin: score < `margin` x the query's score for its own positive. A positive scoring <= 0 (BM25: no shared
    term; model: cosine <= 0) gives no such bound, so the margin is not applied for that query (counted).
 
 The output records are the input ones, every field kept in order, with ``negatives`` replaced by the mined
@@ -88,7 +90,7 @@ def mine_negatives(records, *, negatives: int, method: str = "bm25", embedder=No
         instructions = [records[i].get("instruction") or None for i in active]
         score_rows = _cosine_scorer(embedder, queries, instructions, pool, **encode)
 
-    counts = dict.fromkeys(("margin_not_applied", "skipped_positive", "skipped_rank",
+    counts = dict.fromkeys(("margin_not_applied", "skipped_positive", "skipped_query", "skipped_rank",
                             "skipped_margin"), 0)
     mined: dict[int, list[str]] = {}
     short: list[int] = []  # records that found fewer than asked
@@ -96,13 +98,16 @@ def mine_negatives(records, *, negatives: int, method: str = "bm25", embedder=No
     for row, top_scores, top_index, positive_score in ranked:
         use_margin = margin is not None and positive_score > 0
         counts["margin_not_applied"] += margin is not None and not use_margin
-        own = positives_of_query[_same_text_key(queries[row])]
+        query_key = _same_text_key(queries[row])
+        own = positives_of_query[query_key]
         chosen = []
         for rank, (score, j) in enumerate(zip(top_scores.tolist(), top_index.tolist(), strict=True)):
             if method == "bm25" and score <= 0:
                 break  # sorted: no document further down shares a term with the query
             if pool_normalised[j] in own:
                 counts["skipped_positive"] += 1
+            elif pool_normalised[j] == query_key:
+                counts["skipped_query"] += 1
             elif rank < skip_top:
                 counts["skipped_rank"] += 1
             elif use_margin and score >= margin * positive_score:
