@@ -357,7 +357,7 @@ OPTIONAL_PARAMS = ("lm_head",)  # a base model without its language-model head e
 class OpenedModel(NamedTuple):
     config: object
     params: dict
-    settings: dict  # the manifest's embedder settings (empty for a Hugging Face checkpoint)
+    settings: dict  # the embedder settings: the manifest's, or a `jaxembed export`'s file beside HF weights
     directory: Path
     fingerprint: str | None  # identity of a converted checkpoint (None: computed when asked, from params)
 
@@ -378,7 +378,28 @@ def open_model(path, *, verify: bool = True, revision: str | None = None) -> Ope
         config, params, settings, ident = load(directory, verify=verify)
         return OpenedModel(config, params, settings, directory, ident)
     ck = read_checkpoint(path, revision=revision)
-    return OpenedModel(ck.config, ck.params, {}, ck.directory, None)
+    return OpenedModel(ck.config, ck.params, exported_settings(ck.directory), ck.directory, None)
+
+
+def exported_settings(directory) -> dict:
+    """The embedder settings a `jaxembed export` left beside Hugging Face weights ({} when there are none):
+    without them an exported model would embed queries with the default template, not the one it was trained
+    with. A malformed file is refused, not skipped."""
+    from jaxembed.text import check_query_template
+
+    path = Path(directory) / EMBEDDER_SETTINGS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConversionError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(settings, dict) or set(settings) - set(EMBEDDER_SETTINGS) or not all(
+            isinstance(v, str) for v in settings.values()):
+        raise ConversionError(f"{path}: expected a mapping of {list(EMBEDDER_SETTINGS)} to strings, got {settings!r}")
+    if "query_template" in settings:
+        check_query_template(settings["query_template"], name=f"{path}: query_template", error=ConversionError)
+    return settings
 
 
 def _shape_problems(params, shapes, prefix="") -> list[str]:

@@ -106,15 +106,21 @@ def test_mamba2_export_loads_in_transformers(mamba2):
     assert ours.tokenize(TEXTS) == [x + [ours.eos_token_id] for x in ids]
 
 
-def test_export_carries_the_query_settings_back_to_convert(mamba2, tmp_path):
+def test_export_carries_the_query_settings_back_to_convert_and_load(mamba2, tmp_path):
     """The query template and default instruction go out beside the weights and come back through `convert`
-    (they were dropped: queries embedded after the round trip had no instruction); options given win."""
+    and through `jaxembed.load` of the export itself (both dropped them once: queries embedded from the export
+    had no instruction); options given win; a malformed settings file is refused, not skipped."""
     root, _ = mamba2
     assert json.loads((root / "hf" / checkpoint.EMBEDDER_SETTINGS_FILE).read_text()) == SETTINGS
     back = jaxembed.load(convert(root / "hf", tmp_path / "back", progress=False))
     ours = jaxembed.load(root / "jx")
     assert checkpoint.load(tmp_path / "back")[2] == SETTINGS
-    np.testing.assert_array_equal(back.encode_query(["sort a list"]), ours.encode_query(["sort a list"]))
+    expected = ours.encode_query(["sort a list"])
+    np.testing.assert_array_equal(back.encode_query(["sort a list"]), expected)
+    direct = jaxembed.load(root / "hf")
+    assert (direct.query_template, direct.default_instruction) == tuple(SETTINGS.values())
+    np.testing.assert_array_equal(direct.encode_query(["sort a list"]), expected)
+    assert jaxembed.load(root / "hf", default_instruction="Find it").default_instruction == "Find it"
     other = convert(root / "hf", tmp_path / "other", progress=False, default_instruction="Find the function")
     assert checkpoint.load(other)[2] == {**SETTINGS, "default_instruction": "Find the function"}
     (tmp_path / "bad").mkdir()
@@ -123,6 +129,11 @@ def test_export_carries_the_query_settings_back_to_convert(mamba2, tmp_path):
     (tmp_path / "bad" / checkpoint.EMBEDDER_SETTINGS_FILE).write_text('{"query_templat": "Q: {prompt}"}')
     with pytest.raises(ConversionError, match="jaxembed_embedder.json: expected a mapping of"):
         convert(tmp_path / "bad", tmp_path / "bad_out", progress=False)
+    with pytest.raises(ConversionError, match="jaxembed_embedder.json: expected a mapping of"):
+        jaxembed.load(tmp_path / "bad")
+    (tmp_path / "bad" / checkpoint.EMBEDDER_SETTINGS_FILE).write_text('{"query_template": "Q: {query}"}')
+    with pytest.raises(ConversionError, match="jaxembed_embedder.json: query_template must contain"):
+        jaxembed.load(tmp_path / "bad")
 
 
 def test_bfloat16_export_keeps_the_decays_float32(mamba2, tmp_path):

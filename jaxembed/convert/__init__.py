@@ -135,7 +135,7 @@ def convert(src, dst, *, dtype=None, verify: bool = False, tokenizer=None, query
         if not worst <= tolerance:
             raise ConversionError(f"verification failed: max relative error {worst:.2e} > {tolerance:.0e} "
                                   f"against the PyTorch model; nothing was written")
-    exported = _exported_settings(ck.directory)  # what `jaxembed export` wrote; the options given win
+    exported = checkpoint.exported_settings(ck.directory)  # what `jaxembed export` wrote; the options given win
     query_template = check_query_template(query_template or exported.get("query_template") or QUERY_TEMPLATE,
                                           error=ConversionError)
     default_instruction = default_instruction if default_instruction is not None else exported.get(
@@ -145,22 +145,3 @@ def convert(src, dst, *, dtype=None, verify: bool = False, tokenizer=None, query
         settings["default_instruction"] = default_instruction
     return checkpoint.save(dst, ck.config, ck.params, embedder=settings, source=f"{src} ({ck.layout} layout)",
                            tokenizer=tok, tokenizer_from=None if tok is not None else ck.directory, overwrite=overwrite)
-
-
-def _exported_settings(directory) -> dict:
-    """The embedder settings a `jaxembed export` left beside the weights ({} when there are none)."""
-    import json
-
-    from jaxembed.checkpoint import EMBEDDER_SETTINGS, EMBEDDER_SETTINGS_FILE
-
-    path = Path(directory) / EMBEDDER_SETTINGS_FILE
-    if not path.is_file():
-        return {}
-    try:
-        settings = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ConversionError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(settings, dict) or set(settings) - set(EMBEDDER_SETTINGS) or not all(
-            isinstance(v, str) for v in settings.values()):
-        raise ConversionError(f"{path}: expected a mapping of {list(EMBEDDER_SETTINGS)} to strings, got {settings!r}")
-    return settings
