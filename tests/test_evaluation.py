@@ -130,6 +130,12 @@ def test_local_tasks_take_query_positive_rows_and_name_what_is_missing(stdlib_ro
         run.resolve_tasks(None, None, str(path))
     with pytest.raises(ValueError, match=r"row 6: 'negatives' must be a list of strings, got 'def f\(\): pass'"):
         stdlib_tasks([{**r, "negatives": "def f(): pass"} if i == 5 else r for i, r in enumerate(plain)])
+    path.write_text("".join(json.dumps({**r, "positive": " \n"} if i == 7 else r) + "\n"
+                            for i, r in enumerate(plain)), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"rows.jsonl: line 8: blank 'positive': a blank text has nothing"):
+        run.resolve_tasks(None, None, str(path))  # it was scored
+    with pytest.raises(ValueError, match=r"row 3: blank 'query' and 'negatives'"):
+        stdlib_tasks([{**r, "query": "", "negatives": ["x", "\t"]} if i == 2 else r for i, r in enumerate(plain)])
     broken = plain[:3] + [{"query": "q"}] + plain[4:]
     with pytest.raises(ValueError, match=r"row 4: needs string fields 'query' and 'positive'.*\['positive'\]"):
         stdlib_tasks(broken)

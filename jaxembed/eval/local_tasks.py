@@ -6,7 +6,9 @@ Python standard library's functions and docstrings (`jaxembed.train.corpus`), no
 
 Rows (one JSON object per line of the `--local-tasks` file): "query" (a text, e.g. a docstring
 summary) and "positive" (the text it belongs to) are required, as in the trainer's data;
-"negatives" (texts it does not belong to), "module" (a class label) and "name" are optional.
+"negatives" (texts it does not belong to), "module" (a class label) and "name" are optional. A blank
+query, positive or negative is an error naming its row (the trainer drops such rows; an evaluation that
+scored or dropped them quietly would not be the one asked for).
 Without "negatives", another row's positive stands in; without "module", the tasks that need
 class labels (classification, multilabel classification, clustering) are left out, with a
 warning that names them.
@@ -79,19 +81,26 @@ def _modules(rows, n_modules: int):
     return [r for r in rows if r["module"] in label], label
 
 
-def normalise_rows(rows: list[dict]) -> tuple[list[dict], bool]:
+def normalise_rows(rows: list[dict], lines: list[int] | None = None) -> tuple[list[dict], bool]:
     """(rows with every field, whether they carry module labels). Rows need "query" and "positive"
-    strings; "negatives", "module" and "name" are filled in when absent (see the module docstring)."""
+    strings; "negatives", "module" and "name" are filled in when absent (see the module docstring).
+    lines: each row's line in its file, to name it in errors (else rows are counted from 1)."""
     for i, r in enumerate(rows):
+        where = f"line {lines[i]}" if lines is not None else f"row {i + 1}"
         if not isinstance(r, dict):
-            raise ValueError(f"row {i + 1}: expected a JSON object with 'query' and 'positive', got {r!r:.60}")
+            raise ValueError(f"{where}: expected a JSON object with 'query' and 'positive', got {r!r:.60}")
         missing = [k for k in ("query", "positive") if not isinstance(r.get(k), str)]
         if missing:
-            raise ValueError(f"row {i + 1}: needs string fields 'query' and 'positive' (missing or not a string: "
+            raise ValueError(f"{where}: needs string fields 'query' and 'positive' (missing or not a string: "
                              f"{missing}); optional: 'negatives', 'module', 'name'")
         negatives = r.get("negatives")
         if negatives is not None and not (isinstance(negatives, list) and all(isinstance(n, str) for n in negatives)):
-            raise ValueError(f"row {i + 1}: 'negatives' must be a list of strings, got {negatives!r:.60}")
+            raise ValueError(f"{where}: 'negatives' must be a list of strings, got {negatives!r:.60}")
+        blank = [k for k in ("query", "positive") if not r[k].strip()] + (
+            ["negatives"] if negatives and not all(n.strip() for n in negatives) else [])
+        if blank:
+            raise ValueError(f"{where}: blank {' and '.join(map(repr, blank))}: a blank text has nothing to "
+                             "evaluate (remove the row or fill it in)")
     has_modules = all(isinstance(r.get("module"), str) for r in rows)
     n = len(rows)
     out = []
@@ -102,12 +111,12 @@ def normalise_rows(rows: list[dict]) -> tuple[list[dict], bool]:
     return out, has_modules
 
 
-def stdlib_tasks(rows: list[dict], *, prefix: str = "Stdlib") -> list:
+def stdlib_tasks(rows: list[dict], *, prefix: str = "Stdlib", lines: list[int] | None = None) -> list:
     """One task per task type of the paper (Table 4), from corpus triples (query, positive,
-    negatives, module). Deterministic given the rows."""
+    negatives, module). Deterministic given the rows. lines: each row's line in its file (for errors)."""
     if len(rows) < 40:
         raise ValueError(f"stdlib_tasks needs at least 40 triples, got {len(rows)}")
-    rows, has_modules = normalise_rows(rows)
+    rows, has_modules = normalise_rows(rows, lines)
     rows = sorted(rows, key=lambda r: (r["module"], r["name"]))
     pairs = rows[::2]  # a smaller, still mixed subset for the pairwise tasks
     cls_rows, label = _modules(rows, 4)

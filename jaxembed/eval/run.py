@@ -60,11 +60,11 @@ def resolve_tasks(benchmark: str | None, tasks: str | None, local_tasks: str | N
     from jaxembed.train.data import read_raw_records
 
     try:  # the trainer's reader and checks (its data is what this evaluates): errors name the file and line
-        rows = read_raw_records(path)[0]
+        rows, lines = read_raw_records(path)
     except DataError as err:
         raise ValueError(f"--local-tasks: {err}") from None
     try:
-        return stdlib_tasks(rows), None
+        return stdlib_tasks(rows, lines=lines), None
     except ValueError as err:
         raise ValueError(f"--local-tasks {path}: {err}") from None
 
