@@ -530,3 +530,14 @@ def test_cli_serves_on_loopback_and_drains_on_sigterm(embedder, hf_model_dir):
     np.testing.assert_allclose(rows(result["r"])[0], embedder.encode(TEXTS[0]), atol=1e-5)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health", timeout=5)
+
+
+def test_the_default_served_name_is_the_model_directorys_own(tmp_path, monkeypatch):
+    """`--model .` served the name "jaxembed" (the name of "." is ""); a hub id is served as given."""
+    from jaxembed.serve import default_served_name
+
+    (tmp_path / "codestral-embed" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "codestral-embed")
+    assert [default_served_name(m) for m in (".", "./", "sub/..", str(tmp_path / "codestral-embed") + "/")] == [
+        "codestral-embed"] * 4
+    assert default_served_name("org/some-model") == "org/some-model"

@@ -119,7 +119,7 @@ def cmd_serve(args) -> int:
     model = jaxembed.load(args.model, dtype=args.dtype, tokenizer=args.tokenizer)
     if args.vertical_chunk_size != "auto":
         model.resolve_vertical_chunk_size(args.vertical_chunk_size, args.batch_size)  # V a multiple of Q
-    name = args.served_model_name or Path(str(args.model).rstrip("/")).name or "jaxembed"
+    name = args.served_model_name or default_served_name(args.model)
     app = _create_app(model, model_name=name, **limits)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=not args.no_access_log, lifespan="on",
@@ -127,6 +127,13 @@ def cmd_serve(args) -> int:
     server = _server_class()(config)
     server.run(sockets=[sock])  # SIGTERM / SIGINT: stop accepting, finish the requests in flight, drain the batcher
     return 0 if server.started else 2
+
+
+def default_served_name(model) -> str:
+    """The model directory's own name, also for `.` or `runs/x/..` (which would name it "" or ".."); a hub id
+    as given."""
+    local = Path(str(model)).expanduser()
+    return (local.resolve().name if local.exists() else str(model).rstrip("/")) or "jaxembed"
 
 
 def _server_class():
