@@ -9,7 +9,9 @@ from pathlib import Path
 
 def write_atomically(path: Path, write) -> None:
     """write(binary file) into a temporary sibling, flushed to disk, then renamed over `path`: a
-    reader (or a kill) sees the old file or the new one, complete, never a part."""
+    reader (or a kill) sees the old file or the new one, complete, never a part. A symlink is written
+    through (its target replaced), as open() would, not replaced by a plain file."""
+    path = Path(os.path.realpath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
         mask = os.umask(0)
