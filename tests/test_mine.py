@@ -317,6 +317,13 @@ def test_cli_mines_a_file_and_prints_the_stats(tmp_path, capsys):
     src.write_text("\n".join(src.read_text().splitlines()[:1] + ["", ""] + src.read_text().splitlines()[1:]) + "\n")
     assert run_cli(["mine", str(src), str(out), "--negatives", "40", "--overwrite", "--quiet"]) == 0
     assert "(lines 1, 4, 5, " in capsys.readouterr().err
+    # blank records are said on stderr too, not only counted; with nothing but blank ones it is an error
+    write_jsonl(src, records_of(PAIRS + [("", "a blank query")]))
+    assert run_cli(["mine", str(src), str(out), "--negatives", "1", "--overwrite", "--quiet"]) == 0
+    assert "1 record(s) with a blank query or positive were written without negatives" in capsys.readouterr().err
+    write_jsonl(src, records_of([(" ", p) for _, p in PAIRS]))
+    with pytest.raises(DataError, match=r"no record has both a non-blank query and a non-blank positive \(10 rec"):
+        run_cli(["mine", str(src), str(out), "--negatives", "1", "--overwrite", "--quiet"])
     with pytest.raises(ConfigError, match="--method model needs --model PATH"):
         run_cli(["mine", str(src), str(tmp_path / "m.jsonl"), "--negatives", "2", "--method", "model"])
     with pytest.raises(ConfigError, match="--model is used only with --method model"):

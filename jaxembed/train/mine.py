@@ -68,6 +68,8 @@ def mine_negatives(records, *, negatives: int, method: str = "bm25", embedder=No
     _check_records(records)
 
     active = [i for i, rec in enumerate(records) if rec["query"].strip() and rec["positive"].strip()]
+    if not active:
+        raise DataError(f"no record has both a non-blank query and a non-blank positive ({len(records)} records)")
     first_spelling: dict[str, str] = {}  # positive with whitespace and case collapsed -> its first spelling
     for rec in records:
         if rec["positive"].strip():
@@ -188,9 +190,12 @@ def cmd_mine(args) -> int:
     stats = mine_file(args.input, args.output, overwrite=args.overwrite, embedder=embedder,
                       show_progress=not args.quiet, **settings)
     print(json.dumps(stats))
-    if stats["fewer_than_requested"]:
-        import sys
+    import sys
 
+    if stats["blank_records"]:
+        print(f"jaxembed mine: {stats['blank_records']} record(s) with a blank query or positive were written "
+              "without negatives (the trainer drops them)", file=sys.stderr)
+    if stats["fewer_than_requested"]:
         kind, numbers = (("lines", stats["fewer_than_requested_lines"]) if "fewer_than_requested_lines" in stats
                          else ("records", stats["fewer_than_requested_records"]))
         more = ", ..." if stats["fewer_than_requested"] > len(numbers) else ""
