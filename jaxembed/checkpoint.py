@@ -26,6 +26,9 @@ TOKENIZER_FILES = (
 
 EMBEDDER_SETTINGS = ("query_template", "default_instruction")  # the manifest's `embedder` section
 EMBEDDER_SETTINGS_FILE = "jaxembed_embedder.json"  # those settings beside an export's weights, for `convert`
+# the source checkpoint's config.json, kept so `jaxembed export` writes back the fields jaxembed does not model
+# (bos_token_id, max_position_embeddings, a second EOS id, fla-only fields)
+SOURCE_CONFIG_FILE = "source_config.json"
 CHECKSUM = "xxh3_128"  # per tensor, over its bytes in C order: fast enough to verify on every load
 
 
@@ -81,10 +84,12 @@ def fingerprint(config, checksums: dict[str, str]) -> str:
 
 
 def save(directory, config, params, *, embedder: dict | None = None, source: str | None = None,
-         tokenizer=None, tokenizer_from: Path | None = None, overwrite: bool = False) -> Path:
+         tokenizer=None, tokenizer_from: Path | None = None, source_config: dict | None = None,
+         overwrite: bool = False) -> Path:
     """Write a converted checkpoint atomically: params (orbax), the manifest with a checksum per
-    file and per tensor, and the tokenizer (an object with `save_pretrained`, or the files of
-    `tokenizer_from`), all into a temporary sibling that then takes `directory`'s place.
+    file and per tensor, the tokenizer (an object with `save_pretrained`, or the files of
+    `tokenizer_from`) and the source's config.json (`source_config`, for `jaxembed export`), all into a
+    temporary sibling that then takes `directory`'s place.
 
     An existing non-empty `directory` is refused unless `overwrite`, and even then only if it is a
     jaxembed checkpoint; it is swapped out atomically (Linux renameat2 RENAME_EXCHANGE), so a
@@ -126,6 +131,8 @@ def save(directory, config, params, *, embedder: dict | None = None, source: str
             tokenizer.save_pretrained(str(tmp))
         elif tokenizer_from is not None:
             copy_tokenizer(tokenizer_from, tmp)
+        if source_config is not None:  # covered by the file checksums like every other file
+            (tmp / SOURCE_CONFIG_FILE).write_text(json.dumps(source_config, indent=2) + "\n", encoding="utf-8")
         manifest = {
             "format_version": FORMAT_VERSION,
             "config": config.to_dict(),
@@ -379,6 +386,18 @@ def open_model(path, *, verify: bool = True, revision: str | None = None) -> Ope
         return OpenedModel(config, params, settings, directory, ident)
     ck = read_checkpoint(path, revision=revision)
     return OpenedModel(ck.config, ck.params, exported_settings(ck.directory), ck.directory, None)
+
+
+def source_config_of(directory) -> dict | None:
+    """The Hugging Face config.json a model came from: a converted model's copy of it, or a Hugging Face
+    directory's own (None: none, as for a BlinkDL .pth or a model trained from scratch)."""
+    directory = Path(directory)
+    path = directory / (SOURCE_CONFIG_FILE if is_converted(directory) else "config.json")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
 
 
 def exported_settings(directory) -> dict:

@@ -24,6 +24,7 @@ from jaxembed.cli import main
 from jaxembed.convert import ConversionError, convert, detect, read_checkpoint
 from jaxembed.convert import mamba2 as mamba2_layouts
 from jaxembed.convert import rwkv7 as rwkv7_layouts
+from jaxembed.convert import xlstm as xlstm_layouts
 from jaxembed.convert.core import Hook
 from jaxembed.convert.export import export
 from jaxembed.testing import make_hf_mamba2, save_mamba_ssm_layout
@@ -70,6 +71,18 @@ def last_hidden(model, seqs):
         return [base(input_ids=torch.tensor([s])).last_hidden_state[0, -1].double().numpy() for s in seqs]
 
 
+def assert_config_as_source(dst, src, owned=()):
+    """Every field of the source's config.json comes back in the export's with its value, but for what the
+    export itself decides (its classes, dtype, transformers version; `owned`). Fields jaxembed does not model
+    were written as transformers' defaults (a Mistral's bos_token_id and max_position_embeddings) or dropped
+    (a second EOS id)."""
+    from jaxembed.convert.export import _EXPORT_OWNED
+
+    source, written = (json.loads((path / "config.json").read_text()) for path in (src, dst))
+    source = {k: v for k, v in source.items() if k not in _EXPORT_OWNED + owned}
+    assert {k: written.get(k, "(missing)") for k in source} == source
+
+
 SETTINGS = {"query_template": "Instruct: {prompt}\nQuery: ", "default_instruction": "Given a question, find code"}
 
 
@@ -92,6 +105,7 @@ def test_mamba2_export_loads_in_transformers(mamba2):
     root, _ = mamba2
     dst = root / "hf"
     assert_same_state_dict(dst / "model.safetensors", root / "src" / "model.safetensors")
+    assert_config_as_source(dst, root / "src")
     ours = jaxembed.load(root / "jx")
     assert detect(dst)[2] == ours.config  # config.json reads back to the same config
     hf = Mamba2ForCausalLM.from_pretrained(dst).eval()
@@ -174,6 +188,8 @@ def test_xlstm_export_in_shards_loads_in_transformers(tmp_path, tokenizer):
     assert sorted(exported) == sorted(source) and all(torch.equal(exported[k], source[k]) for k in source)
     ours = jaxembed.load(tmp_path / "jx")
     assert detect(dst)[2] == ours.config
+    assert_config_as_source(dst, tmp_path / "src", owned=xlstm_layouts.export_layout(
+        ours.config, lm_head=True, dtype="float32").owned)
     assert AutoConfig.from_pretrained(dst).use_cache is False
     hf = xLSTMForCausalLM.from_pretrained(dst).eval()
     seqs = seqs_for(ours.config.vocab_size, seed=1)
@@ -204,6 +220,7 @@ def test_rwkv7_fla_export_reads_back_through_the_converter_and_blinkdl(tmp_path,
     convert(tmp_path / "src", tmp_path / "jx", progress=False)
     dst = export(tmp_path / "jx", tmp_path / "fla")
     assert_same_state_dict(dst / "model.safetensors", tmp_path / "src" / "model.safetensors")
+    assert_config_as_source(dst, tmp_path / "src")
     original = jaxembed.load(tmp_path / "jx")
     reread = jaxembed.load(dst)  # the export read back by jaxembed's fla-layout converter
     assert reread.config == original.config
@@ -221,7 +238,8 @@ def test_rwkv7_fla_export_reads_back_through_the_converter_and_blinkdl(tmp_path,
 @pytest.mark.parametrize("cls_name, kwargs", [
     ("Qwen2ForCausalLM", dict(num_key_value_heads=1, use_sliding_window=True, sliding_window=5, max_window_layers=0,
                               rope_theta=1e6)),
-    ("MistralModel", dict(num_key_value_heads=2, head_dim=24, sliding_window=None)),
+    ("MistralModel", dict(num_key_value_heads=2, head_dim=24, sliding_window=None, bos_token_id=7,
+                          eos_token_id=[3, 4], max_position_embeddings=777)),
 ])
 def test_transformer_baselines_export(cls_name, kwargs, tmp_path):
     """Mistral / Qwen2: the tensors and the config come back as they were, and transformers loads every
@@ -242,6 +260,7 @@ def test_transformer_baselines_export(cls_name, kwargs, tmp_path):
         dst = export(tmp_path / "jx", tmp_path / "hf")
     assert_same_state_dict(dst / "model.safetensors", tmp_path / "src" / "model.safetensors")
     assert detect(dst)[2] == detect(tmp_path / "src")[2]
+    assert_config_as_source(dst, tmp_path / "src")
     loaded, info = getattr(transformers, cls_name).from_pretrained(dst, output_loading_info=True)
     assert not any(info.values()), info
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values(),
@@ -303,3 +322,16 @@ def test_export_errors_name_the_problem(mamba2, tmp_path, capsys, monkeypatch):
     convert(tmp_path / "hdim", tmp_path / "hdim_jx", progress=False)
     with pytest.raises(ConversionError, match="D_has_hdim"):
         export(tmp_path / "hdim_jx", tmp_path / "never")
+
+
+def test_the_trainer_keeps_the_source_config_for_its_export(mamba2):
+    """A run from a converted model (or the Hugging Face directory itself) hands the source's config.json to
+    its export, so `jaxembed export` of the trained model writes its fields back too."""
+    from types import SimpleNamespace
+
+    from jaxembed.train.trainer import load_model
+
+    root, _ = mamba2
+    source = json.loads((root / "src" / "config.json").read_text())
+    for path in (root / "jx", root / "src"):
+        assert load_model(SimpleNamespace(model=SimpleNamespace(path=str(path), tokenizer=None)))[5] == source

@@ -144,4 +144,5 @@ def convert(src, dst, *, dtype=None, verify: bool = False, tokenizer=None, query
     if default_instruction:
         settings["default_instruction"] = default_instruction
     return checkpoint.save(dst, ck.config, ck.params, embedder=settings, source=f"{src} ({ck.layout} layout)",
-                           tokenizer=tok, tokenizer_from=None if tok is not None else ck.directory, overwrite=overwrite)
+                           tokenizer=tok, tokenizer_from=None if tok is not None else ck.directory,
+                           source_config=checkpoint.source_config_of(ck.directory), overwrite=overwrite)

@@ -95,6 +95,8 @@ class ExportLayout:
     rules: list[Rule]
     key: Callable[[str], str | None]  # normalised key -> written key; None: the layout has no such tensor
     write_config: Callable[[object], None]  # writes config.json into the given directory
+    # config fields the export decides even where the source said otherwise (else the source's are written back)
+    owned: tuple[str, ...] = ()
 
 
 def _leaf(tree: Mapping, path: str):

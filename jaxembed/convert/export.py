@@ -76,6 +76,7 @@ def export(model, dst, *, format: str = "hf", dtype: str | None = None, overwrit
         os.chmod(tmp, 0o777 & ~checkpoint._umask())  # mkdtemp's 0700 would hide the model from other users
         _write_tensors(tmp, tensors, params, max_shard_bytes)
         layout.write_config(tmp)
+        _carry_source_fields(tmp, checkpoint.source_config_of(src), config, owned=layout.owned)
         if settings:  # the query template and default instruction: `jaxembed convert` of the export reads them back
             text = json.dumps({k: settings[k] for k in checkpoint.EMBEDDER_SETTINGS if k in settings}, indent=1)
             (tmp / checkpoint.EMBEDDER_SETTINGS_FILE).write_text(text + "\n", encoding="utf-8")
@@ -88,6 +89,41 @@ def export(model, dst, *, format: str = "hf", dtype: str | None = None, overwrit
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dst
+
+
+# written from the export itself, whatever the source said: its classes, dtype and version; and the head, which
+# xLSTM's reader ignores (its lm_head is always its own tensor)
+_EXPORT_OWNED = ("architectures", "dtype", "torch_dtype", "transformers_version", "tie_word_embeddings")
+
+
+def _carry_source_fields(directory: Path, source: dict | None, config, *, owned=()) -> list[str]:
+    """Put back into directory/config.json the source config's fields that jaxembed does not model (a
+    Mistral's bos_token_id and max_position_embeddings, a second EOS id, fla-only fields), so the export's
+    config is its source's; the keys carried. A field is carried only if the config still reads back to
+    `config` with it: a field jaxembed does model (the head count, a trained vocabulary) is the export's, and
+    so are `_EXPORT_OWNED` and the layout's `owned` fields."""
+    from jaxembed.convert import detect
+
+    path = directory / "config.json"
+    written = json.loads(path.read_text(encoding="utf-8"))
+    if not source or source.get("model_type") != written.get("model_type"):
+        return []  # another layout (mamba_ssm, Codestral, BlinkDL), or none: its fields mean nothing here
+    carried: dict = {}
+    for key, value in source.items():
+        if key in _EXPORT_OWNED or key in owned or written.get(key, object()) == value:
+            continue
+        path.write_text(json.dumps({**written, **carried, key: value}, indent=2) + "\n", encoding="utf-8")
+        try:
+            same = detect(directory)[2] == config
+        except ConversionError:
+            same = False
+        if same:
+            carried[key] = value
+    path.write_text(json.dumps({**written, **carried}, indent=2) + "\n", encoding="utf-8")
+    if detect(directory)[2] != config:  # each field kept it; together they must too
+        raise ConversionError(f"{directory}: the source config's fields {sorted(carried)} change the model read "
+                              "back; this is a bug in jaxembed export")
+    return sorted(carried)
 
 
 def _check_destination(dst: Path, src: Path, overwrite: bool) -> Path:

@@ -184,7 +184,10 @@ def export_layout(cfg: XLSTMConfig, *, lm_head: bool, dtype: str) -> ExportLayou
     def key(normal: str) -> str:
         return normal if not lm_head or normal == "lm_head.weight" else "backbone." + normal
 
-    return ExportLayout(f"transformers {hf.architectures[0]}", rules_for(cfg), key, hf.save_pretrained)
+    # the reference's kernels and float32 dtypes, and the cache off, whatever the source ran with
+    owned = ("chunkwise_kernel", "sequence_kernel", "step_kernel", "mode", "autocast_kernel_dtype",
+             "inference_state_dtype", "return_last_states", "use_cache")
+    return ExportLayout(f"transformers {hf.architectures[0]}", rules_for(cfg), key, hf.save_pretrained, owned)
 
 
 def build_transformers_model(cfg: XLSTMConfig):

@@ -93,15 +93,17 @@ def initialize_distributed(cfg: TrainConfig) -> None:
 
 
 def load_model(cfg: TrainConfig):
-    """(architecture config, params as stored, tokenizer, embedder settings, the params' identity) for the
-    model section. The identity: a converted checkpoint's `checkpoint.fingerprint` (from its manifest), a
-    Hugging Face checkpoint's hashed from its tensors (xxh3, seconds for a 7B model), random weights' from
-    what draws them (config, seed, init_options), not from device arrays copied to the host."""
+    """(architecture config, params as stored, tokenizer, embedder settings, the params' identity, the source's
+    config.json or None) for the model section. The identity: a converted checkpoint's `checkpoint.fingerprint`
+    (from its manifest), a Hugging Face checkpoint's hashed from its tensors (xxh3, seconds for a 7B model),
+    random weights' from what draws them (config, seed, init_options), not from device arrays copied to the
+    host."""
     m = cfg.model
-    settings, ident = {}, None
+    settings, ident, source_config = {}, None, None
     if m.path is not None:
         config, params, settings, directory, ident = checkpoint.open_model(m.path)
         tokenizer = _tokenizer(m.tokenizer, directory)
+        source_config = checkpoint.source_config_of(directory)  # the export writes its fields back
     else:
         config = load_config(m.init)
         params = init_params(config, m)
@@ -116,7 +118,7 @@ def load_model(cfg: TrainConfig):
         raise ConfigError(
             f"model.tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {config.vocab_size}"
         )
-    return config, params, tokenizer, settings, ident
+    return config, params, tokenizer, settings, ident, source_config
 
 
 def init_params(config, m):
@@ -195,7 +197,7 @@ class Trainer:
                               f"(mesh data x fsdp)")
 
         # model: the stored params are kept on the host for the export's merge
-        self.config, self.stored_params, self.tokenizer, settings, model_ident = load_model(cfg)
+        self.config, self.stored_params, self.tokenizer, settings, model_ident, self.source_config = load_model(cfg)
         # what a checkpoint's state is only meaningful with: resuming under another base or schedule is refused
         self.base_identity = f"{model_ident}:{cfg.model.dtype}:{cfg.quantization}"
         self.family = models.family(self.config)
@@ -819,7 +821,8 @@ class Trainer:
             raise ConfigError(problem)
         # the run's own output: replaced (atomically) by each export
         return checkpoint.save(directory, self.config, params, embedder={"query_template": self.query_template},
-                               source=self.export_source, tokenizer=self.tokenizer, overwrite=True)
+                               source=self.export_source, tokenizer=self.tokenizer,
+                               source_config=self.source_config, overwrite=True)
 
     def _export_problem(self, directory: Path, name: str) -> str | None:
         """A jaxembed model at `directory` is replaced only if this run (its checkpoint directory) wrote it."""
