@@ -14,6 +14,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -479,7 +480,9 @@ def main(argv=None) -> int:
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warnings(args.command, warnings.showwarning)
+            return args.func(args)
     except KeyboardInterrupt:
         print(f"jaxembed {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -491,6 +494,20 @@ def main(argv=None) -> int:
             raise
         print(f"jaxembed {args.command}: error: {one_line(err)}", file=sys.stderr)
         return 2
+
+
+def _one_line_warnings(command: str, show_others):
+    """jaxembed's own warnings as `jaxembed COMMAND: warning: what`, not Python's file:line and source line
+    (other libraries' as they show them)."""
+    package = Path(__file__).resolve().parent
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if package in Path(filename).resolve().parents:
+            print(f"jaxembed {command}: warning: {message}", file=file or sys.stderr)
+        else:
+            show_others(message, category, filename, lineno, file, line)
+
+    return show
 
 
 def one_line(err: BaseException) -> str:

@@ -30,6 +30,11 @@ def test_embed_file_to_npy_and_stdin_to_jsonl(hf_model_dir, tmp_path, capsys, mo
     assert [r["text"] for r in rows] == texts
     queries = jaxembed.load(path).encode_query(texts, instruction="Find it")
     np.testing.assert_allclose(np.array([r["embedding"] for r in rows]), queries, atol=1e-6)
+    # jaxembed's warnings are one line of the command's, not Python's file:line and source line
+    assert main(["embed", str(src), "--model", str(path), "-o", str(tmp_path / "cut.npy"), "--max-length", "3",
+                 "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "jaxembed embed: warning: max_length=3: truncated 2 of 3 texts" in err and ".py:" not in err
 
 
 def test_embed_errors(hf_model_dir, tmp_path, capsys):
