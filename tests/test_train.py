@@ -595,6 +595,16 @@ def test_resume_refuses_another_base_schedule_or_a_damaged_checkpoint(tmp_path):
         trainer(output=str(other))
     with pytest.raises(ConfigError, match=r"the export directory: .*converted holds another model"):
         first.export(other)
+    # the base model's own query template unless the config names one (the paper's was used: an E5-style model
+    # was fine-tuned, and exported, under another prompt than its own)
+    e5 = checkpoint.save(tmp_path / "e5", first.config, first.stored_params,
+                         embedder={"query_template": "Instruct: {prompt}\nQuery: "})
+    from_e5 = {"path": str(e5), "init": None}
+    assert trainer(model=from_e5, checkpoint={"directory": str(tmp_path / "ck-e5")}).query_template == \
+        "Instruct: {prompt}\nQuery: "
+    assert trainer(model=from_e5, checkpoint={"directory": str(tmp_path / "ck-e5")},
+                   data={"query_template": "Q {prompt}: "}).query_template == "Q {prompt}: "
+    assert first.query_template == "Instruction: {prompt}\nQuery: "  # random weights: the paper's
     # one value of the latest checkpoint changed under its files (orbax's chunks carry no checksum: a flipped
     # byte restored silently): named by the digests recorded at save
     import orbax.checkpoint as ocp

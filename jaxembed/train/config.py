@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from jaxembed.config import ConfigError
-from jaxembed.embedder import QUERY_TEMPLATE, check_query_template
+from jaxembed.embedder import check_query_template
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ class DataSection:
     heldout: str | None = None
     negatives_per_query: int = 1
     max_tokens: int = 512
-    query_template: str = QUERY_TEMPLATE
+    query_template: str | None = None  # None: the model's (a converted or exported model's own), else the paper's
     instructions: dict = dataclasses.field(default_factory=dict)  # source -> instruction when a record has none
     token_cache: str | None = None  # tokenized data cache (default: <checkpoint.directory>/../token-cache)
 
@@ -150,7 +150,8 @@ class TrainConfig:
                               f"{self.model.chunk_size!r}")
         if self.model.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"model.dtype must be float32 or bfloat16, got {self.model.dtype!r}")
-        check_query_template(self.data.query_template, name="data.query_template", error=ConfigError)
+        if self.data.query_template is not None:
+            check_query_template(self.data.query_template, name="data.query_template", error=ConfigError)
         t = self.train
         for name in ("batch_size", "epochs", "warmup_steps", "log_every", "length_groups"):
             if getattr(t, name) < (0 if name == "warmup_steps" else 1):

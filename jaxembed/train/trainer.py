@@ -34,7 +34,7 @@ from tqdm import tqdm
 from jaxembed import checkpoint, models
 from jaxembed.config import ConfigError, load_config
 from jaxembed.distributed import check_processes_agree
-from jaxembed.embedder import Embedder, bucket_length, load_tokenizer
+from jaxembed.embedder import QUERY_TEMPLATE, Embedder, bucket_length, load_tokenizer
 from jaxembed.errors import CheckpointError, TrainingDivergedError
 from jaxembed.files import write_text_atomically
 from jaxembed.text import text_ids
@@ -204,7 +204,9 @@ class Trainer:
         self.chunk_size = cfg.model.chunk_size or self.config.chunk_size
         self.eos = int(self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None
                        else self.config.eos_token_id)
-        self.query_template = cfg.data.query_template
+        # the base model's own template unless the config names one: an E5-style model fine-tuned under the paper's
+        # template would learn, and export, another prompt than the one it was made for
+        self.query_template = cfg.data.query_template or settings.get("query_template") or QUERY_TEMPLATE
         try:
             if cfg.lora is None:  # full-parameter training: every param trains, as a float32 master
                 self.lora = lora_lib.LoraConfig.full(self.stored_params)
