@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 import warnings
 from pathlib import Path
@@ -118,11 +120,9 @@ def save(directory, config, params, *, embedder: dict | None = None, source: str
     if not in_place and directory.exists() and not _renameable(directory):
         raise ConversionError(f"{directory}: cannot be replaced atomically (a mount point, or its parent is not "
                               "writable or on another device); remove its contents or choose another directory")
-    _warn_stale_temporaries(directory)
-    tmp = directory if in_place else Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    _clear_stale_temporaries(directory)
+    tmp = directory if in_place else temporary_sibling(directory)
     try:
-        if not in_place:
-            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the model from other users
         # a trainer's export is written by process 0 alone
         checkpointer = ocp.StandardCheckpointer(multiprocessing_options=_this_process_only())
         checkpointer.save(tmp / "params", params)
@@ -188,9 +188,42 @@ def _renameable(directory: Path) -> bool:
             and (not directory.exists() or directory.stat().st_dev == parent.stat().st_dev))
 
 
-def _warn_stale_temporaries(directory: Path) -> None:
-    stale = sorted(p.name for p in directory.parent.glob(f".{directory.name}.tmp-*")) + sorted(
-        p.name for p in directory.parent.glob(f".{directory.name}.old-*"))
+def temporary_sibling(directory: Path) -> Path:
+    """A new empty directory beside `directory` to write into before the swap, named for this host and
+    process: a later write removes it if that process is gone (a 7B export killed midway leaves ~14 GB)."""
+    tag = f"{socket.gethostname()}.{os.getpid()}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-{tag}-", dir=directory.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the model from other users
+    return tmp
+
+
+def _writer_is_gone(name: str) -> bool:
+    """Whether the temporary directory `name` (see `temporary_sibling`) was made on this host by a process
+    that no longer runs. Other hosts' (a shared filesystem) and older unnamed ones are not known to be."""
+    found = re.fullmatch(r".*\.tmp-(?P<host>.+)\.(?P<pid>\d+)-[^-]+", name)
+    if found is None or found["host"] != socket.gethostname():
+        return False
+    try:
+        os.kill(int(found["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):  # alive under another user; or no such pid at all
+        return False
+    return False
+
+
+def _clear_stale_temporaries(directory: Path) -> None:
+    """Remove what killed writes of `directory` on this host left (their processes are gone); name the rest."""
+    temporaries = sorted(directory.parent.glob(f".{directory.name}.tmp-*"))
+    removed = [p.name for p in temporaries if _writer_is_gone(p.name)]
+    for name in removed:
+        shutil.rmtree(directory.parent / name, ignore_errors=True)
+    stale = [p.name for p in temporaries if p.name not in removed] + sorted(
+        p.name for p in directory.parent.glob(f".{directory.name}.old-*"))  # an .old- may be the only old copy
+    if removed:
+        warnings.warn(f"{directory.parent}: removed {len(removed)} temporary director(ies) left by killed writes of "
+                      f"{directory.name}: {', '.join(removed[:4])}" + (" ..." if len(removed) > 4 else ""),
+                      stacklevel=3)
     if stale:
         warnings.warn(f"{directory.parent}: left by interrupted writes of {directory.name} (safe to delete when no "
                       f"write is running): {', '.join(stale[:4])}" + (" ..." if len(stale) > 4 else ""), stacklevel=3)

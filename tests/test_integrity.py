@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -267,6 +268,34 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_old_or_the_new(tmp_path):
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.")]
     for p in leftovers:  # temporaries of killed writes, never the published checkpoint
         assert p.name.startswith((".ckpt.tmp-", ".ckpt.old-"))
+    # the next write removes the killed writers' temporaries (a 7B's are ~14 GB each; they were only named)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _save(target, "rwkv7", seed=1, overwrite=True)
+    killed = [p.name for p in leftovers if p.name.startswith(".ckpt.tmp-")]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp-")]
+    assert all(name in str(caught[0].message) for name in killed[:4]) if killed else not caught
+
+
+def test_only_the_temporaries_of_gone_writers_on_this_host_are_removed(tmp_path):
+    """A live writer's (this process), another host's (a shared filesystem: its pid means nothing here) and
+    an unnamed older one's temporary are kept and named; a gone writer's is removed."""
+    import socket
+
+    done = subprocess.Popen(["true"])
+    done.wait()
+    host = socket.gethostname()
+    names = {"gone": f".m.tmp-{host}.{done.pid}-a1b2c3d4", "alive": f".m.tmp-{host}.{os.getpid()}-a1b2c3d4",
+             "elsewhere": f".m.tmp-other-host.1.{done.pid}-a1b2c3d4", "unnamed": ".m.tmp-k3j4l5m6",
+             "made": checkpoint.temporary_sibling(tmp_path / "m").name}
+    for name in names.values():
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / "x").write_text("x")
+    with pytest.warns(UserWarning) as caught:
+        checkpoint._clear_stale_temporaries(tmp_path / "m")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(v for k, v in names.items() if k != "gone")
+    assert f"removed 1 temporary director(ies) left by killed writes of m: {names['gone']}" in str(caught[0].message)
+    assert all(names[k] in str(caught[1].message) for k in ("alive", "elsewhere", "unnamed", "made"))
 
 
 def test_sigkill_during_embed_output_leaves_the_old_or_the_new(tmp_path):

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -70,10 +69,9 @@ def export(model, dst, *, format: str = "hf", dtype: str | None = None, overwrit
     tensors = _plan(params, layout, config.n_layers, layouts.RENAMES)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    checkpoint._warn_stale_temporaries(dst)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    checkpoint._clear_stale_temporaries(dst)
+    tmp = checkpoint.temporary_sibling(dst)
     try:
-        os.chmod(tmp, 0o777 & ~checkpoint._umask())  # mkdtemp's 0700 would hide the model from other users
         _write_tensors(tmp, tensors, params, max_shard_bytes)
         layout.write_config(tmp)
         _carry_source_fields(tmp, checkpoint.source_config_of(src), config, owned=layout.owned)

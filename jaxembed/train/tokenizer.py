@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -58,9 +56,9 @@ def write_tokenizer(tokenizer, out_dir: Path, *, overwrite: bool = False) -> Non
 
     out_dir = Path(out_dir).expanduser().resolve()  # a symlink's target is what gets replaced, not the link
     _check_out_dir(out_dir, overwrite=overwrite)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    checkpoint._clear_stale_temporaries(out_dir)
+    tmp = checkpoint.temporary_sibling(out_dir)
     try:
-        os.chmod(tmp, 0o777 & ~checkpoint._umask())  # mkdtemp's 0700 would hide the tokenizer from other users
         tokenizer.save_pretrained(tmp)
         checkpoint._fsync_tree(tmp)
         checkpoint._swap_into_place(tmp, out_dir)
