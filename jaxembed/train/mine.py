@@ -19,7 +19,7 @@ skipped candidate is counted once, under the first rule it fails:
    record's own positive, its near-duplicates and the query's other positives are all false negatives);
 2. query: not the query's own text, compared the same way (symmetric pairs (a, b) and (b, a) put every query in
    the pool, where it ranks first against itself);
-3. rank window: rank >= `skip_top` (0-based, in the ranking that includes the positive);
+3. rank window: rank >= `skip_top` (0-based, in the ranking that includes the positive and the query);
 4. margin: score < `margin` x the query's score for its own positive. A positive scoring <= 0 (BM25: no shared
    term; model: cosine <= 0) gives no such bound, so the margin is not applied for that query (counted).
 
@@ -158,8 +158,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--method", choices=METHODS, default="bm25")
     p.add_argument("--model", default=None, help="converted or Hugging Face directory (--method model)")
     p.add_argument("--skip-top", type=int, default=0, metavar="N",
-                   help="skip the candidates at 0-based ranks below N, the positive counted among the ranks "
-                        "(where false negatives hide; default 0)")
+                   help="skip the candidates at 0-based ranks below N, the positive (and the query, if in the pool) "
+                        "counted among the ranks (where false negatives hide; default 0)")
     p.add_argument("--depth", type=int, default=100, help="candidates ranked per query (default 100)")
     margin = p.add_mutually_exclusive_group()
     margin.add_argument("--margin", type=float,
