@@ -44,12 +44,20 @@ def _read_texts(inputs: list[str]) -> list[str]:
             texts.extend(_decode_lines(stdin, "<stdin>") if stdin is not None else
                          [line.rstrip("\n") for line in sys.stdin])
             continue
-        path = Path(name)
-        if not path.is_file():
-            raise ValueError(f"{name}: no such file")
+        path = _readable(Path(name))
         with open(path, "rb") as f:
             texts.extend(_decode_lines(f, name))
     return texts
+
+
+def _readable(path: Path) -> Path:
+    """An input path that can be read as a stream of text: a file, a named pipe, `/dev/stdin`, a shell's
+    `<(...)` (only a missing path and a directory are refused)."""
+    if not path.exists():
+        raise ValueError(f"{path}: no such file")
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; name a text file in it")
+    return path
 
 
 def _decode_lines(stream, name: str) -> list[str]:
@@ -74,10 +82,14 @@ def check_output_path(path: Path, suffixes: tuple[str, ...], *, overwrite: bool)
         raise ValueError(f"--output must end in {' or '.join(suffixes)}, got {path}")
     if path.is_dir():
         raise ValueError(f"--output {path} is a directory; name a file in it")
-    if not path.parent.is_dir():
-        raise ValueError(f"--output {path}: directory {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK):
-        raise ValueError(f"--output {path}: directory {path.parent} is not writable")
+    where, parent = str(path), path.parent
+    if path.is_symlink():  # written through (files.write_atomically): the target's directory is the one written
+        target = Path(os.path.realpath(path))
+        where, parent = f"{path} (a link to {target})", target.parent
+    if not parent.is_dir():
+        raise ValueError(f"--output {where}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"--output {where}: directory {parent} is not writable")
     if path.exists() and not overwrite:
         raise ValueError(f"--output {path} exists; pass --overwrite to replace it")
 
@@ -134,9 +146,7 @@ def _cmd_embed_long(args, model) -> int:
     from jaxembed.stream import special_ids
     from jaxembed.text import text_ids
 
-    path = Path(args.stream or args.sections)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
+    path = _readable(Path(args.stream or args.sections))
     options = dict(normalize_embeddings=not args.no_normalize, vertical_chunk_size=args.vertical_chunk_size,
                    show_progress_bar=not args.quiet)
     output = _output_options(args)

@@ -2,6 +2,8 @@
 
 import io
 import json
+import os
+import threading
 
 import numpy as np
 
@@ -68,8 +70,11 @@ def test_embed_checks_the_output_path_first(hf_model_dir, tmp_path, capsys):
     src.write_text("x\n")
     (tmp_path / "adir.npy").mkdir()
     (tmp_path / "old.npy").write_bytes(b"old")
+    (tmp_path / "dangling.npy").symlink_to(tmp_path / "gone" / "x.npy")  # written through: its directory counts
     cases = {tmp_path / "out.txt": "must end in", tmp_path / "missing_dir" / "out.npy": "does not exist",
-             tmp_path / "adir.npy": "is a directory", tmp_path / "old.npy": "exists; pass --overwrite"}
+             tmp_path / "adir.npy": "is a directory", tmp_path / "old.npy": "exists; pass --overwrite",
+             tmp_path / "dangling.npy": f"(a link to {tmp_path / 'gone' / 'x.npy'}): directory {tmp_path / 'gone'} "
+                                        "does not exist"}
     for bad, why in cases.items():
         assert main(["embed", str(src), "--model", str(path), "-o", str(bad), "--quiet"]) == 2
         err = capsys.readouterr().err
@@ -78,6 +83,18 @@ def test_embed_checks_the_output_path_first(hf_model_dir, tmp_path, capsys):
     assert main(["embed", str(src), "--model", str(path), "-o", str(tmp_path / "old.npy"), "--overwrite",
                  "--quiet"]) == 0
     assert np.load(tmp_path / "old.npy").shape[0] == 1
+    # inputs that are not regular files are read (a named pipe, as `<(...)` and /dev/stdin are); a directory is
+    # named as one (both were "no such file")
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("x\n"), daemon=True)
+    writer.start()
+    assert main(["embed", str(fifo), "--model", str(path), "-o", str(tmp_path / "piped.npy"), "--quiet"]) == 0
+    writer.join()
+    np.testing.assert_array_equal(np.load(tmp_path / "piped.npy"), np.load(tmp_path / "old.npy"))
+    capsys.readouterr()
+    assert main(["embed", str(tmp_path / "adir.npy"), "--model", str(path), "--quiet"]) == 2
+    assert "adir.npy is a directory; name a text file in it" in capsys.readouterr().err
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".old.npy.tmp-")]  # no temporary left
 
 

@@ -244,6 +244,9 @@ def test_mine_file_refuses_to_replace_files_and_names_bad_lines(tmp_path):
     mine_file(src, link, negatives=2, overwrite=True)  # written through the link (it became a plain file)
     counts = [len(json.loads(line)["negatives"]) for line in out.read_text().splitlines()]
     assert link.is_symlink() and max(counts) == 2 >= min(counts)
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "gone" / "m.jsonl")  # refused before the work, by its target
+    with pytest.raises(DataError, match=r"dangling.jsonl: directory .*gone does not exist"):
+        mine_file(src, tmp_path / "dangling.jsonl", negatives=1)
     with pytest.raises(DataError, match="is the input file"):
         mine_file(src, src, negatives=1)
     with pytest.raises(DataError, match=r"must be a \.jsonl file"):

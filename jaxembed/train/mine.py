@@ -34,6 +34,7 @@ import argparse
 import functools
 import json
 import numbers
+import os
 import time
 from pathlib import Path
 
@@ -332,8 +333,9 @@ def _check_paths(in_path: Path, out_path: Path, *, overwrite: bool) -> None:
         raise DataError(f"{in_path}: no such file")
     if out_path.suffix != ".jsonl":
         raise DataError(f"{out_path}: the output must be a .jsonl file")
-    if not out_path.parent.is_dir():
-        raise DataError(f"{out_path}: directory {out_path.parent} does not exist")
+    parent = Path(os.path.realpath(out_path)).parent if out_path.is_symlink() else out_path.parent  # written through
+    if not parent.is_dir():
+        raise DataError(f"{out_path}: directory {parent} does not exist")
     if out_path.is_dir():
         raise DataError(f"{out_path} is a directory; the output is a .jsonl file")
     if out_path.resolve() == in_path.resolve() and not overwrite:
