@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("embed", help="embed texts, one per line, from files or stdin")
-    p.add_argument("inputs", nargs="*", help="text files, one text per line ('-' or none: stdin)")
+    p.add_argument("inputs", nargs="*", help="text files or pipes, one text per line ('-' or none: stdin)")
     p.add_argument("--model", required=True, help="converted or Hugging Face directory")
     p.add_argument("--output", "-o", type=Path, default=None, help=".npy or .jsonl (default: jsonl on stdout)")
     p.add_argument("--overwrite", action="store_true",
