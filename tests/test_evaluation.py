@@ -23,7 +23,7 @@ from jaxembed.embedder import Embedder  # noqa: E402
 from jaxembed.eval import run  # noqa: E402
 from jaxembed.eval.encoder import MtebEncoder  # noqa: E402
 from jaxembed.eval.instructions import TASK_INSTRUCTIONS, TASK_TYPE_INSTRUCTIONS, instruction_for  # noqa: E402
-from jaxembed.eval.local_tasks import stdlib_tasks  # noqa: E402
+from jaxembed.eval.local_tasks import normalise_rows, stdlib_tasks  # noqa: E402
 from jaxembed.eval.summary import PAPER_RESULTS, TYPE_ABBREVIATIONS, aggregate, markdown_table  # noqa: E402
 from jaxembed.testing import make_tokenizer  # noqa: E402
 from jaxembed.train.corpus import build_stdlib_corpus  # noqa: E402
@@ -136,6 +136,27 @@ def test_local_tasks_take_query_positive_rows_and_name_what_is_missing(stdlib_ro
         run.resolve_tasks(None, None, str(path))  # it was scored
     with pytest.raises(ValueError, match=r"row 3: blank 'query' and 'negatives'"):
         stdlib_tasks([{**r, "query": "", "negatives": ["x", "\t"]} if i == 2 else r for i, r in enumerate(plain)])
+    # trainer data may repeat a positive under several queries: no stand-in negative, STS "other" text or
+    # summarization "other" summary is the row's own (every row's stand-in was its own positive here: a random
+    # model scored 100 on reranking and 50 on pair classification); a given negative equal to it is refused
+    twice = plain[:24] + [{**r, "query": "also: " + r["query"]} for r in plain[:24]]
+    rows, _ = normalise_rows(twice)
+    assert all(" ".join(r["negatives"][0].split()) != " ".join(r["positive"].split()) for r in rows)
+    by_type = {t.metadata.type: t for t in stdlib_tasks(twice)}
+    for kind in ("STS", "PairClassification", "Summarization"):
+        by_type[kind].load_data()
+    sts = by_type["STS"].dataset["test"]
+    own = {r["query"]: r["positive"] for r in twice}
+    graded = list(zip(sts["sentence1"], sts["sentence2"], sts["score"], strict=True))
+    assert all(own[q] != text for q, text, score in graded if score == 0.0)
+    pairs = by_type["PairClassification"].dataset["test"][0]
+    labelled = list(zip(pairs["sentence1"], pairs["sentence2"], pairs["labels"], strict=True))
+    assert not {(a, b) for a, b, y in labelled if y} & {(a, b) for a, b, y in labelled if not y}
+    summaries = by_type["Summarization"].dataset["test"]
+    assert all(h[0] not in m for h, m in zip(summaries["human_summaries"], summaries["machine_summaries"],
+                                             strict=True))
+    with pytest.raises(ValueError, match=r"row 2: a negative is the row's own positive"):
+        normalise_rows([plain[0], {**plain[1], "negatives": [" " + plain[1]["positive"].upper()]}, *plain[2:]])
     broken = plain[:3] + [{"query": "q"}] + plain[4:]
     with pytest.raises(ValueError, match=r"row 4: needs string fields 'query' and 'positive'.*\['positive'\]"):
         stdlib_tasks(broken)

@@ -101,14 +101,38 @@ def normalise_rows(rows: list[dict], lines: list[int] | None = None) -> tuple[li
         if blank:
             raise ValueError(f"{where}: blank {' and '.join(map(repr, blank))}: a blank text has nothing to "
                              "evaluate (remove the row or fill it in)")
+        if negatives and any(_same_text(negative, r["positive"]) for negative in negatives):
+            raise ValueError(f"{where}: a negative is the row's own positive (up to whitespace and case)")
+    for field in ("positive", "query"):
+        if len({_text_key(r[field]) for r in rows}) < 2:
+            raise ValueError(f"every row has the same {field}: there is nothing to contrast it with")
     has_modules = all(isinstance(r.get("module"), str) for r in rows)
-    n = len(rows)
     out = []
     for i, r in enumerate(rows):
-        negatives = r.get("negatives") or [rows[(i + n // 2) % n]["positive"]]
+        negatives = r.get("negatives") or [other_row(rows, i, "positive")["positive"]]
         out.append({**r, "negatives": list(negatives), "module": r.get("module") if has_modules else "",
                     "name": str(r.get("name", f"{i:08d}"))})
     return out, has_modules
+
+
+def _text_key(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+def _same_text(a: str, b: str) -> bool:
+    return _text_key(a) == _text_key(b)
+
+
+def other_row(rows: list[dict], i: int, field: str) -> dict:
+    """The row half the list away from row i (cyclically), or the next after it, whose `field` is not row i's
+    (up to whitespace and case): trainer data may repeat a positive under several queries, and a stand-in
+    equal to the row's own text scored every model 100 (reranking) or 50 (pair classification)."""
+    n = len(rows)
+    for step in range(n):
+        other = rows[(i + n // 2 + step) % n]
+        if not _same_text(other[field], rows[i][field]):
+            return other
+    raise ValueError(f"every row has the same {field}")
 
 
 def stdlib_tasks(rows: list[dict], *, prefix: str = "Stdlib", lines: list[int] | None = None) -> list:
@@ -139,11 +163,10 @@ def stdlib_tasks(rows: list[dict], *, prefix: str = "Stdlib", lines: list[int] |
         min_score, max_score = 0, 1
 
         def load_data(self, **kwargs):
-            n = len(pairs)
             # each docstring against its own function, a function of the same module, and one of another
             s1, s2, score = [], [], []
             for i, r in enumerate(pairs):
-                other = pairs[(i + n // 2) % n]
+                other = other_row(pairs, i, "positive")
                 grades = ((r["positive"], 1.0), (r["negatives"][0], 0.5), (other["positive"], 0.0))
                 for text, value in grades if has_modules else (grades[0], grades[2]):
                     if has_modules and value == 0.0 and other["module"] == r["module"]:
@@ -204,12 +227,11 @@ def stdlib_tasks(rows: list[dict], *, prefix: str = "Stdlib", lines: list[int] |
         min_score, max_score = 0, 1
 
         def load_data(self, **kwargs):
-            n = len(pairs)
             # no machine summary equals the human one: a model scores only by what its embeddings relate
             self.dataset = DatasetDict({"test": Dataset.from_dict({
                 "text": [r["positive"] for r in pairs],
                 "human_summaries": [[r["query"]] for r in pairs],
-                "machine_summaries": [[r["positive"].strip().split("\n", 1)[0], pairs[(i + n // 2) % n]["query"]]
+                "machine_summaries": [[r["positive"].strip().split("\n", 1)[0], other_row(pairs, i, "query")["query"]]
                                       for i, r in enumerate(pairs)],
                 "relevance": [[1, 0] for _ in pairs],
             })})
