@@ -442,8 +442,8 @@ def exported_settings(directory) -> dict:
     path = Path(directory) / EMBEDDER_SETTINGS_FILE
     if not path.is_file():
         return {}
-    try:
-        settings = json.loads(path.read_text(encoding="utf-8"))
+    try:  # an editor's byte-order mark is not part of the JSON
+        settings = json.loads(path.read_text(encoding="utf-8-sig"))
     except (ValueError, UnicodeDecodeError) as err:
         raise ConversionError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(settings, dict) or set(settings) - set(EMBEDDER_SETTINGS) or not all(

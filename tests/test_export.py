@@ -145,6 +145,9 @@ def test_export_carries_the_query_settings_back_to_convert_and_load(mamba2, tmp_
         convert(tmp_path / "bad", tmp_path / "bad_out", progress=False)
     with pytest.raises(ConversionError, match="jaxembed_embedder.json: expected a mapping of"):
         jaxembed.load(tmp_path / "bad")
+    (tmp_path / "bad" / checkpoint.EMBEDDER_SETTINGS_FILE).write_text("\ufeff" + json.dumps(SETTINGS),
+                                                                     encoding="utf-8")  # an editor's BOM: read
+    assert jaxembed.load(tmp_path / "bad").query_template == SETTINGS["query_template"]
     (tmp_path / "bad" / checkpoint.EMBEDDER_SETTINGS_FILE).write_text('{"query_template": "Q: {query}"}')
     with pytest.raises(ConversionError, match="jaxembed_embedder.json: query_template must contain"):
         jaxembed.load(tmp_path / "bad")
