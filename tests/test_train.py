@@ -586,6 +586,8 @@ def test_resume_refuses_another_base_schedule_or_a_damaged_checkpoint(tmp_path):
                                               "written with, or a new checkpoint directory"):
             trainer(**changes).restore()
     assert trainer().restore() == 2
+    # dropping the held-out set is not changing it (no figures of two sets in one log): resumed, as adding one is
+    assert trainer(data={"heldout": None}).restore() == 2
     # `output` is replaced only if it is this run's own export (it replaced any jaxembed model silently)
     own = first.export(tmp_path / "own")
     assert trainer(output=str(own)).restore() == 2

@@ -527,6 +527,8 @@ class Trainer:
         for key in ("seed", "batch_size", "sizes", "data", "base", "heldout"):
             if key in ("base", "heldout") and key not in position:
                 continue  # written before this was recorded
+            if key == "heldout" and None in (position[key], expected[key]):
+                continue  # a held-out set added or dropped: the log still never mixes two sets' figures
             if key == "data" and position.get(key) == self.legacy_data_fingerprint:
                 continue  # the same data, recorded under the earlier key scheme
             if position.get(key) != expected[key]:
@@ -545,9 +547,9 @@ class Trainer:
         if differences:
             raise ConfigError(
                 f"{self.cfg.checkpoint.directory}: checkpoint {step} was written with {'; '.join(differences)}. "
-                "Resuming would not continue that run (the learning-rate schedule, loss and batches depend on "
-                "these): use the config it was written with, or a new checkpoint directory (to train further, "
-                "start a new run from the exported model)")
+                "Resuming would not continue that run (its learning-rate schedule, loss, batches and held-out "
+                "figures depend on these): use the config it was written with, or a new checkpoint directory (to "
+                "train further, start a new run from the exported model)")
 
     def _check_restorable(self, step: int, abstract) -> None:
         """The checkpoint's state has this run's leaves and shapes, or a ConfigError names the difference
