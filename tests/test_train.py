@@ -599,11 +599,12 @@ def test_resume_refuses_another_base_schedule_or_a_damaged_checkpoint(tmp_path):
         first.export(other)
     # the base model's own query template unless the config names one (the paper's was used: an E5-style model
     # was fine-tuned, and exported, under another prompt than its own)
-    e5 = checkpoint.save(tmp_path / "e5", first.config, first.stored_params,
-                         embedder={"query_template": "Instruct: {prompt}\nQuery: "})
+    e5_settings = {"query_template": "Instruct: {prompt}\nQuery: ", "default_instruction": "Find the docs"}
+    e5 = checkpoint.save(tmp_path / "e5", first.config, first.stored_params, embedder=e5_settings)
     from_e5 = {"path": str(e5), "init": None}
-    assert trainer(model=from_e5, checkpoint={"directory": str(tmp_path / "ck-e5")}).query_template == \
-        "Instruct: {prompt}\nQuery: "
+    tuned = trainer(model=from_e5, checkpoint={"directory": str(tmp_path / "ck-e5")})
+    assert tuned.query_template == "Instruct: {prompt}\nQuery: "
+    assert checkpoint.load(tuned.export(tmp_path / "e5-tuned"))[2] == e5_settings  # the default instruction too
     assert trainer(model=from_e5, checkpoint={"directory": str(tmp_path / "ck-e5")},
                    data={"query_template": "Q {prompt}: "}).query_template == "Q {prompt}: "
     assert first.query_template == "Instruction: {prompt}\nQuery: "  # random weights: the paper's

@@ -207,6 +207,7 @@ class Trainer:
         # the base model's own template unless the config names one: an E5-style model fine-tuned under the paper's
         # template would learn, and export, another prompt than the one it was made for
         self.query_template = cfg.data.query_template or settings.get("query_template") or QUERY_TEMPLATE
+        self.default_instruction = settings.get("default_instruction")  # the base's, kept by the export
         try:
             if cfg.lora is None:  # full-parameter training: every param trains, as a float32 master
                 self.lora = lora_lib.LoraConfig.full(self.stored_params)
@@ -824,7 +825,9 @@ class Trainer:
         if problem:
             raise ConfigError(problem)
         # the run's own output: replaced (atomically) by each export
-        return checkpoint.save(directory, self.config, params, embedder={"query_template": self.query_template},
+        embedder = {"query_template": self.query_template} | (
+            {"default_instruction": self.default_instruction} if self.default_instruction else {})
+        return checkpoint.save(directory, self.config, params, embedder=embedder,
                                source=self.export_source, tokenizer=self.tokenizer,
                                source_config=self.source_config, overwrite=True)
 
