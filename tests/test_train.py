@@ -566,8 +566,14 @@ def test_resume_refuses_another_base_schedule_or_a_damaged_checkpoint(tmp_path):
         first.data_summary()
     # the model FLOPs of a step: 4N with the base frozen (no weight gradients), 6N in full training
     assert first.flops_per_token == 4 * first.matmul_params
-    full = dataclasses.replace(load_train_config(tmp_path / "c.yaml"), lora=None)
-    assert Trainer(full, show_progress=False).flops_per_token == 6 * first.matmul_params
+    full = Trainer(dataclasses.replace(load_train_config(tmp_path / "c.yaml"), lora=None), show_progress=False)
+    assert full.flops_per_token == 6 * first.matmul_params
+    # the untied LM head, read by no embedding, is neither trained (weight decay shrank it, and every logit of the
+    # export) nor put on the device; the export keeps it as stored
+    assert "lm_head" in full.stored_params and "lm_head" not in full.lora.modules_to_save
+    assert "lm_head" not in full.base and "lm_head" not in first.base
+    with pytest.raises(ConfigError, match="lora modules_to_save: 'lm_head' is read by no embedding"):
+        trainer(lora={"rank": 4, "modules_to_save": ["lm_head"]})
     # eval.max_queries caps the queries, not the documents they are ranked among (a cut pool was easier)
     capped = trainer(eval={"max_queries": 2, "k": 3})
     assert "the first 2 queries evaluated against all 5" in capped.data_summary()
@@ -604,7 +610,9 @@ def test_resume_refuses_another_base_schedule_or_a_damaged_checkpoint(tmp_path):
     from_e5 = {"path": str(e5), "init": None}
     tuned = trainer(model=from_e5, checkpoint={"directory": str(tmp_path / "ck-e5")})
     assert tuned.query_template == "Instruct: {prompt}\nQuery: "
-    assert checkpoint.load(tuned.export(tmp_path / "e5-tuned"))[2] == e5_settings  # the default instruction too
+    exported = checkpoint.load(tuned.export(tmp_path / "e5-tuned"))
+    assert exported[2] == e5_settings  # the default instruction too
+    np.testing.assert_array_equal(exported[1]["lm_head"], first.stored_params["lm_head"])
     assert trainer(model=from_e5, checkpoint={"directory": str(tmp_path / "ck-e5")},
                    data={"query_template": "Q {prompt}: "}).query_template == "Q {prompt}: "
     assert first.query_template == "Instruction: {prompt}\nQuery: "  # random weights: the paper's

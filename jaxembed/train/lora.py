@@ -71,8 +71,9 @@ class LoraConfig:
 
     @classmethod
     def full(cls, params) -> LoraConfig:
-        """Full-parameter training (`lora: null`): no adapters, every param a float32 master."""
-        names = [k for k in params if k != "layers"] + list(params["layers"])
+        """Full-parameter training (`lora: null`): no adapters, every param a float32 master but an untied
+        `lm_head`, which no embedding reads (weight decay alone would shrink it, every logit with it)."""
+        names = [k for k in params if k not in ("layers", "lm_head")] + list(params["layers"])
         return cls(rank=1, alpha=1.0, targets=(), modules_to_save=tuple(names))
 
     def saved_paths(self, config, params) -> tuple[tuple[str, ...], ...]:

@@ -214,10 +214,14 @@ class Trainer:
             else:
                 self.lora = lora_lib.LoraConfig(cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets,
                                                 cfg.lora.modules_to_save)
-            self.lora.saved_paths(self.config, self.stored_params)  # fail early on unknown names
+            if ("lm_head",) in self.lora.saved_paths(self.config, self.stored_params):  # fail early on unknown names
+                raise ValueError("lora modules_to_save: 'lm_head' is read by no embedding (the output at EOS is "
+                                 "taken before it); training it would only decay it")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        base = models.cast_params(self.family, self.stored_params, cfg.model.dtype)
+        # an untied LM head stays on the host, as stored, for the export: no embedding reads it
+        base = models.cast_params(self.family, {k: v for k, v in self.stored_params.items() if k != "lm_head"},
+                                  cfg.model.dtype)
         if cfg.quantization == "nf4":
             base = lora_lib.quantize_base(self.config, base, self.lora.target_names(self.config))
         self.base_shardings = sh.param_shardings(base, self.mesh)
