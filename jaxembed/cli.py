@@ -133,12 +133,20 @@ def _separated_sections(path: Path, separator: str):
         for line in f:
             ended = line.rstrip("\r\n") == separator
             if ended:
-                yield "".join(lines).rstrip("\r\n")
+                yield _without_last_newline("".join(lines))
                 lines = []
             else:
                 lines.append(line)
     if lines or not ended:
-        yield "".join(lines).rstrip("\r\n")
+        yield _without_last_newline("".join(lines))
+
+
+def _without_last_newline(text: str) -> str:
+    """One line ending dropped, the one before the separator (a section's own blank lines are its text)."""
+    for ending in ("\r\n", "\n", "\r"):
+        if text.endswith(ending):
+            return text[: -len(ending)]
+    return text
 
 
 def _cmd_embed_long(args, model) -> int:

@@ -122,6 +122,12 @@ def test_embed_stream_and_sections_of_a_file(hf_model_dir, tmp_path, capsys):
     expected = model.encode_ids([sum(ids[: i + 1], []) + [model.eos_token_id] for i in range(3)],
                                 vertical_chunk_size=None)
     np.testing.assert_allclose(np.array([r["embedding"] for r in rows]), expected, atol=2e-6)
+    # a section's own blank lines are its text: only the newline before the separator goes (all of them went)
+    blank = tmp_path / "blank.txt"
+    blank.write_text("one\n\n\n---\r\ntwo\r\n\r\n", encoding="utf-8", newline="")
+    assert main(["embed", "--model", str(path), "--sections", str(blank), "--separator=---", "--quiet"]) == 0
+    got = np.array([json.loads(line)["embedding"] for line in capsys.readouterr().out.splitlines()])
+    np.testing.assert_allclose(got, model.encode_sections(["one\n\n", "two\r\n"]), atol=2e-6)
 
     assert main(["embed", "--model", str(path), "--sections", str(src), "--section-tokens", "5", "--quiet"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
