@@ -40,6 +40,8 @@ def _read_texts(inputs: list[str]) -> list[str]:
     texts = []
     for name in inputs or ["-"]:
         if name == "-":
+            if sys.stdin is None:  # started with stdin closed (`<&-`)
+                raise ValueError("stdin is closed; name the input files")
             stdin = getattr(sys.stdin, "buffer", None)  # a text stream without bytes (tests): decoded already
             texts.extend(_decode_lines(stdin, "<stdin>") if stdin is not None else
                          [line.rstrip("\n") for line in sys.stdin])

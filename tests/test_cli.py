@@ -62,7 +62,7 @@ def test_usage_errors_are_one_line(capsys):
         assert exit_.value.code == 2 and why in err and err.count("\n") == 1 and "usage:" not in err, err
 
 
-def test_embed_checks_the_output_path_first(hf_model_dir, tmp_path, capsys):
+def test_embed_checks_the_output_path_first(hf_model_dir, tmp_path, capsys, monkeypatch):
     """Before any work: a wrong suffix, a missing directory, a directory, an existing file without
     --overwrite; each one line on stderr, exit 2, nothing written."""
     path, _ = hf_model_dir
@@ -95,6 +95,9 @@ def test_embed_checks_the_output_path_first(hf_model_dir, tmp_path, capsys):
     capsys.readouterr()
     assert main(["embed", str(tmp_path / "adir.npy"), "--model", str(path), "--quiet"]) == 2
     assert "adir.npy is a directory; name a text file in it" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", None)  # `<&-`: "'NoneType' object is not iterable"
+    assert main(["embed", "--model", str(path), "--quiet"]) == 2
+    assert "jaxembed embed: error: stdin is closed; name the input files" in capsys.readouterr().err
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".old.npy.tmp-")]  # no temporary left
 
 
