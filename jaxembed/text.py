@@ -32,6 +32,11 @@ def check_query_template(template, *, name: str = "query_template", error=ValueE
     return template
 
 
+def same_text_key(text: str) -> str:
+    """Texts equal up to whitespace and case are one text (mine's candidates, local tasks' stand-ins)."""
+    return " ".join(text.split()).casefold()
+
+
 MIN_BUCKET = 16
 # bucket lengths above Q are Q times one of these: few programs, bounded padding
 _MULTIPLIERS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)

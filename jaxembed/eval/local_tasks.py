@@ -34,6 +34,8 @@ from mteb.abstasks.task_metadata import TaskMetadata
 from mteb.abstasks.text.bitext_mining import AbsTaskBitextMining
 from mteb.abstasks.text.summarization import AbsTaskSummarization
 
+from jaxembed.text import same_text_key
+
 INSTRUCTION = "Given a docstring summary, retrieve the Python function that implements it"
 
 
@@ -104,7 +106,7 @@ def normalise_rows(rows: list[dict], lines: list[int] | None = None) -> tuple[li
         if negatives and any(_same_text(negative, r["positive"]) for negative in negatives):
             raise ValueError(f"{where}: a negative is the row's own positive (up to whitespace and case)")
     for field in ("positive", "query"):
-        if len({_text_key(r[field]) for r in rows}) < 2:
+        if len({same_text_key(r[field]) for r in rows}) < 2:
             raise ValueError(f"every row has the same {field}: there is nothing to contrast it with")
     has_modules = all(isinstance(r.get("module"), str) for r in rows)
     out = []
@@ -115,12 +117,8 @@ def normalise_rows(rows: list[dict], lines: list[int] | None = None) -> tuple[li
     return out, has_modules
 
 
-def _text_key(text: str) -> str:
-    return " ".join(text.split()).casefold()
-
-
 def _same_text(a: str, b: str) -> bool:
-    return _text_key(a) == _text_key(b)
+    return same_text_key(a) == same_text_key(b)
 
 
 def other_row(rows: list[dict], i: int, field: str) -> dict:

@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from jaxembed.errors import ConfigError, DataError, check_positive_int
 from jaxembed.files import write_text_atomically
+from jaxembed.text import same_text_key
 
 METHODS = ("bm25", "model")
 _BLOCK_ELEMENTS = 1 << 26  # pool scores held at once (256 MiB of float32), whatever the pool size
@@ -74,18 +75,18 @@ def mine_negatives(records, *, negatives: int, method: str = "bm25", embedder=No
     first_spelling: dict[str, str] = {}  # positive with whitespace and case collapsed -> its first spelling
     for rec in records:
         if rec["positive"].strip():
-            first_spelling.setdefault(_same_text_key(rec["positive"]), rec["positive"])
+            first_spelling.setdefault(same_text_key(rec["positive"]), rec["positive"])
     pool, pool_normalised = list(first_spelling.values()), list(first_spelling)
     if len(pool) < 2:
         raise DataError(f"need at least 2 distinct non-blank positives to mine negatives from, got {len(pool)}")
     pool_index = {text: j for j, text in enumerate(pool_normalised)}
     positives_of_query: dict[str, set[str]] = {}  # by the query with whitespace and case collapsed
     for i in active:
-        positives_of_query.setdefault(_same_text_key(records[i]["query"]), set()).add(
-            _same_text_key(records[i]["positive"]))
+        positives_of_query.setdefault(same_text_key(records[i]["query"]), set()).add(
+            same_text_key(records[i]["positive"]))
 
     queries = [records[i]["query"] for i in active]
-    positive = np.array([pool_index[_same_text_key(records[i]["positive"])] for i in active], np.int32)
+    positive = np.array([pool_index[same_text_key(records[i]["positive"])] for i in active], np.int32)
     if method == "bm25":
         score_rows = _bm25_scorer(queries, pool)
     else:
@@ -101,7 +102,7 @@ def mine_negatives(records, *, negatives: int, method: str = "bm25", embedder=No
     for row, top_scores, top_index, positive_score in ranked:
         use_margin = margin is not None and positive_score > 0
         counts["margin_not_applied"] += margin is not None and not use_margin
-        query_key = _same_text_key(queries[row])
+        query_key = same_text_key(queries[row])
         own = positives_of_query[query_key]
         chosen = []
         for rank, (score, j) in enumerate(zip(top_scores.tolist(), top_index.tolist(), strict=True)):
@@ -286,10 +287,6 @@ def _cosine_scorer(embedder, queries: list[str], instructions: list[str | None],
 # ---------------------------------------------------------------------------------------------------------
 # checks and files
 
-
-def _same_text_key(text: str) -> str:
-    """Texts equal up to whitespace and case are one text: a case-only variant of a positive is no negative."""
-    return " ".join(text.split()).casefold()
 
 
 def _check_args(*, negatives, method, skip_top, depth, margin, max_length, batch_size) -> None:
